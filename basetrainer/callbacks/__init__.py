@@ -1,0 +1,1 @@
+"""Callbacks: the base class (:mod:`.callbacks`), recorders, logging, checkpoints, progress."""

@@ -1,0 +1,157 @@
+"""The :class:`Callback` base class: the events of the loop, in the order the engine calls them."""
+from typing import Any, Dict, Optional
+
+import torch
+
+
+class Callback:
+    """Base class of everything that watches or steers training.
+
+    The engine calls the events below, in this order, on every callback in list order::
+
+        on_train_begin(logs)
+        for epoch in range(start_epoch, num_epochs):
+            on_epoch_begin(epoch, logs)                 # after sampler.set_epoch(epoch)
+            for batch, data in enumerate(train_loader):
+                on_batch_prepare(epoch, batch, logs)    # LR schedules set this step's LR here
+                on_batch_begin(batch, logs)
+                outputs, losses = run_step(data)        # forward (+ autocast); backward; step
+                on_train_summary(data, outputs, losses, epoch, batch, logs)
+                on_batch_end(batch, logs)
+            on_test_begin(logs)                         # train figures are final from here on
+            for batch, data in enumerate(test_loader):  # (skipped when there is no test loader)
+                on_test_summary(data, outputs, losses, epoch, batch, logs)
+            on_test_end(logs)                           # test figures are final from here on
+            on_epoch_end(epoch, logs)                   # every figure is final and reduced
+        on_train_end(logs)                              # always, also after an exception
+
+    ``logs`` is one flat dict per run: recorders write ``"train/<indicator>"`` and
+    ``"test/<indicator>"``, the LR schedule writes ``"lr"``. ``self.trainer`` is the engine
+    (set before ``on_train_begin``); ``self.model`` its model. A callback may set
+    ``self.trainer.stop_training = True`` to end training after the current epoch.
+
+    The signatures are those of Pytorch-Base-Trainer, so callbacks written for it keep working.
+
+    Example::
+
+        class PrintLR(Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                print(epoch, logs["lr"], logs.get("test/Accuracy"))
+    """
+
+    trainer: Any = None
+    model: Optional[torch.nn.Module] = None
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.model = None
+
+    @property
+    def is_main_process(self) -> bool:
+        """True in the process that writes files and logs (rank 0); may be assigned."""
+        override = self.__dict__.get("_is_main_process")
+        if override is not None:
+            return override
+        from basetrainer.engine import comm
+
+        return comm.is_main_process()
+
+    @is_main_process.setter
+    def is_main_process(self, value: bool) -> None:
+        self.__dict__["_is_main_process"] = bool(value)
+
+    def set_trainer(self, trainer: Any) -> None:
+        self.trainer = trainer
+        if getattr(trainer, "model", None) is not None:
+            self.set_model(trainer.model)
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> Dict[str, Any]:
+        """State to save in a resumable checkpoint (tensors, numbers, strings, lists, dicts)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_batch_prepare(self, epoch: int, batch: int, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                         logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                        logs: Optional[dict] = None) -> None:
+        pass
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        pass
+
+
+def resolve_indicator(indicator: str, trainer: Any) -> str:
+    """The ``logs`` key an indicator names.
+
+    ``"test/Accuracy"`` and ``"lr"``-style keys are returned as given. A bare name
+    (``"Accuracy"``) means the test figure when the trainer has a test loader, else the train
+    figure.
+    """
+    if "/" in indicator or indicator == "lr":
+        return indicator
+    has_test = trainer is not None and getattr(trainer, "test_loader", None) is not None
+    return f"{'test' if has_test else 'train'}/{indicator}"
+
+
+def infer_mode(indicator: str) -> str:
+    """``"min"`` for losses and errors, ``"max"`` for everything else (accuracy, F1, mAP, ...)."""
+    name = indicator.lower()
+    return "min" if any(word in name for word in ("loss", "err", "mse", "mae", "perplexity")) else "max"
+
+
+def batch_size_of(inputs: Any) -> int:
+    """Number of samples in a batch: the first dimension of its first tensor."""
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]) if inputs.dim() else 1
+    if isinstance(inputs, dict):
+        inputs = list(inputs.values())
+    if isinstance(inputs, (list, tuple)):
+        for item in inputs:
+            try:
+                return batch_size_of(item)
+            except TypeError:
+                continue
+    raise TypeError(f"cannot find a tensor in the batch to count its samples (got {type(inputs).__name__})")
+
+
+def targets_of(inputs: Any) -> torch.Tensor:
+    """The targets of a ``(data, targets, ...)`` batch, or ``inputs["target(s)"|"label(s)"]``."""
+    if isinstance(inputs, dict):
+        for key in ("targets", "target", "labels", "label"):
+            if key in inputs:
+                return inputs[key]
+        raise KeyError(f"batch dict has no targets: expected one of targets/target/labels/label, got {sorted(inputs)}")
+    if isinstance(inputs, (list, tuple)) and len(inputs) >= 2:
+        return inputs[1]
+    raise TypeError("a recorder needs batches shaped (data, targets, ...); override run_step or the recorder")

@@ -1,0 +1,187 @@
+"""Console/file log lines, TensorBoard scalars, history.csv and a PNG of the curves."""
+import csv
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from basetrainer.callbacks.callbacks import Callback, batch_size_of
+from basetrainer.engine import comm
+
+_logger = logging.getLogger(__name__)
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class LogHistory(Callback):
+    """Logs training as it goes (main process only).
+
+    - every ``log_freq`` steps one line: epoch, step/steps, the running train figures, lr,
+      samples/s and ETA; the same figures as TensorBoard scalars ``train_step/<name>``;
+    - at each epoch end one line with every figure, TensorBoard scalars under their ``logs``
+      keys (``train/loss``, ``test/Accuracy``, ``lr``, x = epoch), and a row of
+      ``<log_dir>/history.csv``;
+    - at train end ``<log_dir>/history.png`` (loss, accuracy and LR curves) when matplotlib
+      is installed.
+
+    Args:
+        log_dir: folder for TensorBoard events, history.csv and history.png.
+        log_freq: steps between lines (also how often recorders publish running figures).
+        logger: where lines go (default: this module's logger).
+        indicators: figure names to show in step lines (default: all).
+        is_main_process: write anything at all (default: rank 0 only).
+        tensorboard: write TensorBoard events.
+    """
+
+    def __init__(self, log_dir: str, log_freq: int = 50, logger: Optional[logging.Logger] = None,
+                 indicators: Optional[Sequence[str]] = None, is_main_process: Optional[bool] = None,
+                 tensorboard: bool = True) -> None:
+        super().__init__()
+        if not isinstance(log_freq, int) or log_freq <= 0:
+            raise ValueError(f"log_freq={log_freq!r} must be a positive integer")
+        self.log_dir = log_dir
+        self.log_freq = log_freq
+        self.logger = logger or _logger
+        self.indicators = list(indicators) if indicators else None
+        if is_main_process is not None:
+            self.is_main_process = is_main_process
+        self.tensorboard = tensorboard
+        self.writer: Any = None
+        self.rows: List[Dict[str, Any]] = []
+        self._t_train = self._t_epoch = self._t_window = 0.0
+        self._samples_window = 0
+        self._steps_done = 0
+
+    # ---------------------------------------------------------------- helpers
+    def _shown(self, logs: dict, phase: str) -> Dict[str, float]:
+        out = {}
+        for key, value in logs.items():
+            if not key.startswith(phase + "/") or not isinstance(value, float):
+                continue
+            name = key.split("/", 1)[1]
+            if self.indicators is None or any(name.startswith(i) for i in self.indicators):
+                out[name] = value
+        return out
+
+    def _open_writer(self) -> None:
+        if not self.tensorboard:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is a dependency, but keep training if it is broken
+            self.logger.warning("TensorBoard unavailable (%s): no event files are written", e)
+            return
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    # ---------------------------------------------------------------- events
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.trainer is not None:
+            self.trainer.log_freq = self.log_freq
+        self._t_train = time.perf_counter()
+        self._steps_done = 0
+        self.rows = []
+        if self.is_main_process:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._open_writer()
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._t_epoch = self._t_window = time.perf_counter()
+        self._samples_window = 0
+
+    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                         logs: Optional[dict] = None) -> None:
+        self._samples_window += batch_size_of(inputs)
+
+    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self._steps_done += 1
+        if not self.is_main_process or (batch + 1) % self.log_freq:
+            return
+        logs = logs or {}
+        trainer = self.trainer
+        now = time.perf_counter()
+        rate = self._samples_window * comm.get_world_size() / max(now - self._t_window, 1e-9)
+        self._t_window, self._samples_window = now, 0
+        steps = len(trainer.train_loader)
+        total = (trainer.num_epochs - trainer.start_epoch) * steps
+        eta = (now - self._t_train) / max(self._steps_done, 1) * (total - self._steps_done)
+        figures = self._shown(logs, "train")
+        text = " ".join(f"{k}: {v:.4f}" for k, v in figures.items())
+        lr = logs.get("lr")
+        self.logger.info("epoch %d/%d step %d/%d %s%s | %.1f samples/s | ETA %s", trainer.epoch,
+                         trainer.num_epochs, batch + 1, steps, text, f" lr: {lr:.6g}" if lr is not None else "",
+                         rate, _fmt_time(eta))
+        if self.writer is not None:
+            step = trainer.epoch * steps + batch + 1
+            for name, value in figures.items():
+                self.writer.add_scalar(f"train_step/{name}", value, step)
+            if lr is not None:
+                self.writer.add_scalar("train_step/lr", lr, step)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if not self.is_main_process:
+            return
+        logs = logs or {}
+        seconds = time.perf_counter() - self._t_epoch
+        row: Dict[str, Any] = {"epoch": epoch}
+        row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        row["epoch_time"] = seconds
+        self.rows.append(row)
+        text = " ".join(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}"
+                        for k, v in row.items() if k != "epoch")
+        self.logger.info("epoch %d/%d done: %s", epoch, self.trainer.num_epochs if self.trainer else -1, text)
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "epoch":
+                    self.writer.add_scalar(key, value, epoch)
+            self.writer.flush()
+        self._write_csv()
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.is_main_process and self.rows:
+            self.plot()
+
+    # ---------------------------------------------------------------- files
+    def _write_csv(self) -> None:
+        keys: List[str] = []
+        for row in self.rows:
+            keys += [k for k in row if k not in keys]
+        path = os.path.join(self.log_dir, "history.csv")
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+    def plot(self) -> Optional[str]:
+        """Draw loss, accuracy-like and LR curves to ``<log_dir>/history.png`` (needs matplotlib)."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            self.logger.debug("matplotlib not installed: no history.png")
+            return None
+        keys = [k for k in self.rows[-1] if "/" in k]
+        groups = {"loss": [k for k in keys if "loss" in k.lower()],
+                  "metrics": [k for k in keys if "loss" not in k.lower()],
+                  "lr": ["lr"] if "lr" in self.rows[-1] else []}
+        groups = {k: v for k, v in groups.items() if v}
+        fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
+        for ax, (title, names) in zip(axes[0], groups.items()):
+            for name in names:
+                points = [(r["epoch"], r[name]) for r in self.rows if name in r]
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            ax.set_title(title)
+            ax.set_xlabel("epoch")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        path = os.path.join(self.log_dir, "history.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

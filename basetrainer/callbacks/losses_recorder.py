@@ -1,0 +1,109 @@
+"""Sample-weighted loss figures, kept on the device and reduced across ranks."""
+from typing import Any, Dict, Optional
+
+import torch
+
+from basetrainer.callbacks.callbacks import Callback, batch_size_of
+from basetrainer.engine import comm
+
+
+class RunningSums:
+    """Named running sums on the device, plus a sample count on the host.
+
+    ``add`` launches no host sync; ``means`` reads the sums (one sync) and, with
+    ``reduce=True``, sums them over every rank first, so the figure is the whole data set's.
+    """
+
+    def __init__(self) -> None:
+        self.sums: Dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def reset(self) -> None:
+        self.sums, self.count = {}, 0
+
+    def add(self, values: Dict[str, torch.Tensor], n: int) -> None:
+        for key, value in values.items():
+            value = value.detach().float() * n
+            prev = self.sums.get(key)
+            self.sums[key] = value if prev is None else prev + value
+        self.count += n
+
+    def means(self, reduce: bool = False) -> Dict[str, float]:
+        keys = sorted(self.sums)
+        if reduce and comm.get_world_size() > 1:  # a rank may have seen no batch (and no key)
+            keys = sorted(set().union(*comm.all_gather_object(keys)))
+        if not keys:
+            return {}
+        device = next(iter(self.sums.values())).device if self.sums else torch.device("cpu")
+        zero = torch.zeros((), device=device)
+        packed = torch.stack([self.sums.get(k, zero).reshape(()) for k in keys] +
+                             [torch.tensor(float(self.count), device=device)])
+        if reduce:
+            packed = comm.all_reduce_sum(packed)
+        values = packed.tolist()
+        count = values[-1]
+        return {k: (v / count if count else float("nan")) for k, v in zip(keys, values[:-1])}
+
+
+def loss_parts(losses: Any, total_name: str) -> Dict[str, torch.Tensor]:
+    """``{total_name: total}`` plus one entry per named part of a dict of losses."""
+    if isinstance(losses, torch.Tensor):
+        return {total_name: losses}
+    if isinstance(losses, dict):
+        parts = {str(k): v for k, v in losses.items()}
+        total = sum(list(parts.values())[1:], list(parts.values())[0])
+        return {**parts, total_name: total}
+    if isinstance(losses, (list, tuple)):
+        parts = {f"{total_name}{i}": v for i, v in enumerate(losses)}
+        return {**parts, total_name: sum(losses[1:], losses[0])}
+    raise TypeError(f"losses must be a tensor, tuple or dict of tensors, got {type(losses).__name__}")
+
+
+class LossesRecorder(Callback):
+    """Writes ``logs["train/<indicator>"]`` and ``logs["test/<indicator>"]``: the loss of the
+    epoch as a sample-weighted mean (sum of loss x batch size over the epoch / number of
+    samples), reduced over every process. Every ``log_freq`` steps the running train figure of
+    this process is published too.
+
+    Args:
+        indicator: the name of the figure (default ``"loss"``).
+    """
+
+    parts = False  # MultiLossesRecorder records each part of a dict of losses too
+
+    def __init__(self, indicator: str = "loss") -> None:
+        super().__init__()
+        self.indicator = indicator
+        self.train = RunningSums()
+        self.test = RunningSums()
+
+    def _values(self, losses: Any) -> Dict[str, torch.Tensor]:
+        values = loss_parts(losses, self.indicator)
+        return values if self.parts else {self.indicator: values[self.indicator]}
+
+    def _publish(self, phase: str, sums: RunningSums, logs: Optional[dict], reduce: bool) -> None:
+        if logs is None:
+            return
+        for key, value in sums.means(reduce=reduce).items():
+            logs[f"{phase}/{key}"] = value
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self.train.reset()
+
+    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                         logs: Optional[dict] = None) -> None:
+        self.train.add(self._values(losses), batch_size_of(inputs))
+        if self.trainer is not None and self.trainer.should_log(batch):
+            self._publish("train", self.train, logs, reduce=False)
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        self._publish("train", self.train, logs, reduce=True)
+        self.test.reset()
+
+    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                        logs: Optional[dict] = None) -> None:
+        self.test.add(self._values(losses), batch_size_of(inputs))
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        if self.trainer is None or self.trainer.test_loader is not None:
+            self._publish("test", self.test, logs, reduce=True)

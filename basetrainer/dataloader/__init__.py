@@ -1,0 +1,1 @@
+"""Data loaders whose order depends only on (seed, epoch), and checked image folders."""

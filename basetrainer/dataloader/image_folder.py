@@ -1,0 +1,58 @@
+"""Image-folder data sets (``root/<class>/<image>``) with clear errors for bad folders."""
+import os
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+from torch.utils.data import ConcatDataset, Dataset
+
+_IMAGE_EXT = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _check_folder(root: str, key: str) -> List[str]:
+    if not root:
+        raise ValueError(f"{key} is empty: set it to a folder of class subfolders (root/<class>/<image>)")
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{key}={root!r} does not exist or is not a folder: it must hold one "
+                                f"subfolder of images per class")
+    classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+    if not classes:
+        raise ValueError(f"{key}={root!r} has no class subfolders: put the images in root/<class>/<image>")
+    empty = [c for c in classes
+             if not any(f.lower().endswith(_IMAGE_EXT) for _, _, files in os.walk(os.path.join(root, c))
+                        for f in files)]
+    if empty:
+        raise ValueError(f"{key}={root!r}: class folder(s) {empty} hold no images ({', '.join(_IMAGE_EXT)})")
+    if len(classes) < 2:
+        raise ValueError(f"{key}={root!r} has only one class ({classes[0]!r}): a classifier needs at least "
+                         f"two class subfolders")
+    return classes
+
+
+def image_folder(root: Union[str, Sequence[str]], transform: Optional[Callable] = None, key: str = "train_data",
+                 classes: Optional[List[str]] = None) -> Dataset:
+    """A torchvision ImageFolder (or several with the same classes, concatenated), checked first.
+
+    The returned data set has ``.classes``. With ``classes`` given (the training classes), the
+    folder must hold the same ones.
+
+    Raises:
+        FileNotFoundError / ValueError: missing folder, no class folders, an empty class, a
+            single class, or classes that differ from ``classes``; the message names ``key``.
+    """
+    from torchvision.datasets import ImageFolder
+
+    roots = [root] if isinstance(root, str) or root is None else list(root)
+    if not roots:
+        raise ValueError(f"{key} is empty: set it to a folder of class subfolders")
+    sets: List[Any] = []
+    for r in roots:
+        found = _check_folder(r, key)
+        if classes is not None and found != list(classes):
+            raise ValueError(f"{key}={r!r} has classes {found}, but training uses {list(classes)}")
+        if sets and found != sets[0].classes:
+            raise ValueError(f"{key}: folders {roots[0]!r} and {r!r} have different classes")
+        sets.append(ImageFolder(r, transform=transform))
+    if len(sets) == 1:
+        return sets[0]
+    dataset = ConcatDataset(sets)
+    dataset.classes = sets[0].classes  # type: ignore[attr-defined]
+    return dataset

@@ -1,0 +1,107 @@
+"""DataLoaders for every mode: the global batch split over the processes, seeded order.
+
+Training uses a :class:`~torch.utils.data.DistributedSampler` in every mode (one replica in one
+process): its permutation comes from (seed, epoch) and rank r takes the strided slice
+``perm[r::world_size]``, so step k of a single, DP or DDP run sees the same global batch.
+Evaluation shards the data without padding or duplicates (:class:`ShardSampler`).
+"""
+import logging
+import random
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from basetrainer.engine import comm
+
+logger = logging.getLogger(__name__)
+
+
+class ShardSampler(Sampler):
+    """Indices ``rank, rank + world, ...``: disjoint shards that cover the data set exactly once."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0) -> None:
+        self.num_samples_total = len(dataset)
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_samples_total, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples_total, self.num_replicas))
+
+
+class _WorkerSeeder:
+    """Seeds python and numpy in each worker from torch's per-worker seed (which differs per
+    rank, worker and epoch, and follows the loader's seeded generator)."""
+
+    def __init__(self, user_fn: Any = None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        import numpy as np
+
+        seed = torch.initial_seed() % 2 ** 32
+        random.seed(seed)
+        np.random.seed(seed)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
+                     shuffle: bool = True, pin_memory: bool = False, drop_last: bool = False,
+                     distributed: Optional[bool] = None, seed: int = 2020, **kwargs: Any) -> DataLoader:
+    """See :meth:`basetrainer.engine.trainer.EngineTrainer.build_dataloader`."""
+    if phase not in ("train", "test"):
+        raise ValueError(f"phase={phase!r} must be 'train' or 'test'")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer (the global batch)")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0")
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise TypeError("build_dataloader needs a map-style dataset with __len__") from None
+    if size == 0:
+        raise ValueError(f"the {phase} dataset is empty: check the {phase}_data folder/files")
+    sharded = comm.is_dist() and comm.get_world_size() > 1 and distributed is not False
+    world, rank = (comm.get_world_size(), comm.get_rank()) if sharded else (1, 0)
+    if comm.is_dist() and not sharded and phase == "train" and comm.get_world_size() > 1:
+        logger.warning("build_dataloader(distributed=False) in a %d-process run: every process "
+                       "iterates the whole training set", comm.get_world_size())
+    if batch_size < world:
+        raise ValueError(f"batch_size={batch_size} is smaller than the number of processes ({world}); "
+                         f"batch_size is the global batch: use at least {world}")
+    if batch_size % world:
+        logger.warning("batch_size=%d is not divisible by %d processes: each loads %d (global batch %d)",
+                       batch_size, world, batch_size // world, (batch_size // world) * world)
+    local_batch = batch_size // world
+    if phase == "train":
+        sampler: Sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
+                                              seed=seed, drop_last=False)
+        if drop_last and len(sampler) < local_batch:
+            raise ValueError(f"batch_size={batch_size} is larger than the training set ({size} samples) "
+                             f"with drop_last=True: no batch would be made. Lower batch_size or set "
+                             f"drop_last=False")
+    else:
+        sampler = ShardSampler(dataset, num_replicas=world, rank=rank)
+    generator = torch.Generator()
+    generator.manual_seed(seed + 1000003 * rank)
+    persistent = kwargs.pop("persistent_workers", num_workers > 0)
+    return DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, drop_last=drop_last, generator=generator,
+                      worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None)),
+                      persistent_workers=persistent and num_workers > 0, **kwargs)
+
+
+def check_equal_lengths(loader: Any) -> None:
+    """In a distributed run, every rank must see the same number of train batches, or DDP
+    hangs at the first step one rank does not take: compare them up front."""
+    if not comm.is_dist() or comm.get_world_size() == 1:
+        return
+    lengths = comm.all_gather_object(len(loader))
+    if len(set(lengths)) > 1:
+        raise RuntimeError(f"ranks have different numbers of train batches {lengths}: DDP would hang. "
+                           f"Use build_dataloader (it pads the train set evenly) or give every rank "
+                           f"the same number of samples")

@@ -1,0 +1,202 @@
+"""Start a training function in one process, or in one process per device (DDP).
+
+``launch`` decides how: not distributed -> a plain call; started by torchrun or inside a SLURM
+job with several tasks -> this process joins that world; otherwise it spawns
+``num_gpus_per_machine`` processes on this machine (NCCL on GPUs, gloo on the CPU).
+"""
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+from typing import Any, Callable, Optional, Sequence, Tuple
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_busy(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _resolve_url(dist_url: Optional[str], num_machines: int) -> str:
+    if not dist_url or dist_url == "auto":
+        if num_machines > 1:
+            raise ValueError("dist_url='auto' only works on one machine; with num_machines > 1 give "
+                             "tcp://<address of machine 0>:<port>, the same on every machine")
+        return f"tcp://127.0.0.1:{find_free_port()}"
+    parsed = urlparse(dist_url)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise ValueError(f"dist_url={dist_url!r} must look like tcp://127.0.0.1:28661 (or be 'auto')")
+    if num_machines == 1 and _port_busy(parsed.hostname, parsed.port):
+        port = find_free_port(parsed.hostname)
+        logger.warning("dist_url %s: port %d is busy; using free port %d instead", dist_url, parsed.port, port)
+        return f"tcp://{parsed.hostname}:{port}"
+    return dist_url
+
+
+def _timeout(timeout: Any) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
+    raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta")
+
+
+def _pick_backend(backend: Optional[str], nprocs: int) -> str:
+    if backend:
+        return backend
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs:
+        return "nccl"
+    if not torch.cuda.is_available():
+        logger.warning("no CUDA device: %d process(es) per machine will train on the CPU over gloo", nprocs)
+    else:
+        logger.warning("%d processes but only %d CUDA devices: using gloo", nprocs, torch.cuda.device_count())
+    return "gloo"
+
+
+def _slurm_master_addr() -> str:
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if nodelist:
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, check=True, timeout=30).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    raise RuntimeError("inside SLURM with several tasks, but the address of the first node is unknown: "
+                       "export MASTER_ADDR (e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))")
+
+
+def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: str, world_size: int,
+                  rank: int, local_rank: int, timeout: datetime.timedelta) -> Any:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)  # before any collective
+    dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
+                            timeout=timeout)
+    try:
+        return main_func(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, nprocs: int,
+            machine_rank: int, backend: str, dist_url: str, timeout: datetime.timedelta) -> None:
+    rank = machine_rank * nprocs + local_rank
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+                       "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": str(machine_rank)})
+    _run_in_group(main_func, args, backend, dist_url, world_size, rank, local_rank, timeout)
+
+
+def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optional[str] = "auto",
+           num_machines: int = 1, machine_rank: int = 0, distributed: bool = False, args: Sequence = (),
+           timeout: Any = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Any:
+    """Run ``main_func(*args)`` in the right processes.
+
+    Args:
+        main_func: the training function; must be picklable (defined at module top level) when
+            processes are spawned.
+        num_gpus_per_machine: processes per machine (one per entry of ``gpu_id``).
+        dist_url: ``tcp://<machine 0 address>:<port>``; ``"auto"`` picks a free port (one
+            machine). On one machine, a busy port is replaced by a free one (with a warning).
+        num_machines: machines taking part; each runs ``launch`` with its ``machine_rank``.
+        machine_rank: this machine's index (0 hosts the rendezvous).
+        distributed: False calls ``main_func(*args)`` directly in this process.
+        args: arguments of ``main_func``.
+        timeout: seconds (or a timedelta) a collective may wait before the job fails.
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, gloo without.
+
+    Returns:
+        ``main_func``'s result when it runs in this process (not distributed, torchrun, SLURM);
+        None after spawning.
+
+    Raises:
+        Exception: the failing rank's error (with its traceback); the other ranks are stopped.
+
+    Example::
+
+        launch(main, num_gpus_per_machine=len(cfg.gpu_id), dist_url="auto",
+               num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))
+    """
+    args = tuple(args)
+    if not distributed:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RuntimeError(f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']} but distributed "
+                               f"is off: pass --distributed (or set distributed: true in the config)")
+        return main_func(*args)
+    timeout = _timeout(timeout)
+    if not isinstance(num_gpus_per_machine, int) or num_gpus_per_machine < 1:
+        raise ValueError(f"num_gpus_per_machine={num_gpus_per_machine!r} must be a positive integer "
+                         f"(len(gpu_id))")
+    if not isinstance(num_machines, int) or num_machines < 1 or not 0 <= machine_rank < num_machines:
+        raise ValueError(f"machine_rank={machine_rank!r} must be in [0, num_machines={num_machines!r})")
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:  # torchrun
+        local_rank = int(env["LOCAL_RANK"])
+        backend = _pick_backend(backend, int(env.get("LOCAL_WORLD_SIZE", num_gpus_per_machine)))
+        return _run_in_group(main_func, args, backend, "env://", int(env["WORLD_SIZE"]), int(env["RANK"]),
+                             local_rank, timeout)
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:  # srun, one task per device
+        rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", "0"))
+        port = urlparse(dist_url).port if dist_url and dist_url != "auto" else None
+        port = int(env.get("MASTER_PORT", port or 29500))
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank)})
+        backend = _pick_backend(backend, int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
+        return _run_in_group(main_func, args, backend, f"tcp://{_slurm_master_addr()}:{port}", world_size,
+                             rank, local_rank, timeout)
+    try:
+        pickle.dumps((main_func, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(f"launch: main_func {getattr(main_func, '__name__', main_func)!r} or its args can't be "
+                        f"pickled for the worker processes ({e}); define main_func at module top level "
+                        f"(not a lambda, closure or nested function)") from None
+    backend = _pick_backend(backend, num_gpus_per_machine)
+    url = _resolve_url(dist_url, num_machines)
+    world_size = num_machines * num_gpus_per_machine
+    _spawn(_worker, num_gpus_per_machine,
+           (main_func, args, world_size, num_gpus_per_machine, machine_rank, backend, url, timeout))
+    return None
+
+
+def _spawn(fn: Callable, nprocs: int, args: Tuple) -> None:
+    """Start ``nprocs`` processes; when one fails (or on Ctrl-C) stop them all and raise."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        raise

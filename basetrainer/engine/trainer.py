@@ -1,0 +1,239 @@
+"""EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
+import logging
+import os
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from basetrainer.dataloader import loader as data
+from basetrainer.engine import checkpoint, comm
+from basetrainer.engine.engine import Engine
+from basetrainer.utils import setup_config, torch_tools
+
+logger = logging.getLogger(__name__)
+
+_HOOKS = ("build_train_loader", "build_test_loader", "build_model", "build_criterion",
+          "build_optimizer", "build_callbacks")
+_warned_no_cuda = False
+
+
+class EngineTrainer(Engine):
+    """Subclass this, implement the six ``build_*`` hooks, call ``self.build(cfg)`` in
+    ``__init__`` and ``run()``.
+
+    ``__init__`` fills the config's missing engine keys with their defaults, checks them, seeds
+    every generator with ``cfg.seed`` and works out the process's rank, world size and device.
+
+    Example::
+
+        class ClassificationTrainer(EngineTrainer):
+            def __init__(self, cfg):
+                super().__init__(cfg)
+                self.build(cfg)
+            def build_train_loader(self, cfg, **kwargs):
+                dataset = ImageFolder(cfg.train_data, transform)
+                cfg.num_classes = len(dataset.classes)
+                return self.build_dataloader(dataset, cfg.batch_size, cfg.num_workers, phase="train")
+            def build_test_loader(self, cfg, **kwargs): ...
+            def build_model(self, cfg, **kwargs):
+                model = build_models.get_models(cfg.net_type, cfg.input_size, cfg.num_classes)
+                return self.build_model_parallel(model, cfg.gpu_id, distributed=cfg.distributed)
+            def build_criterion(self, cfg, **kwargs): return get_criterion(cfg.loss_type, cfg.num_classes)
+            def build_optimizer(self, cfg, **kwargs): return get_optimizer(self.model, cfg.optim_type, cfg.lr)
+            def build_callbacks(self, cfg, **kwargs): return [LossesRecorder(), ...]
+
+        history = ClassificationTrainer(cfg).run()
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        cfg = setup_config.with_defaults(cfg)
+        setup_config.validate(cfg)
+        super().__init__(cfg)
+        self.seed = cfg.seed
+        torch_tools.set_env_random_seed(cfg.seed)
+        self.num_epochs = cfg.num_epochs
+        self.progress = bool(cfg.progress)
+        self.log_freq = cfg.log_freq
+        self.amp = str(cfg.amp).lower()
+        self.accumulate_steps = cfg.accumulate_steps
+        self.clip_grad_norm = cfg.clip_grad_norm or None
+        self.num_steps = 0      # train steps per epoch (len(train_loader))
+        self.num_samples = 0    # training samples (the whole data set, all processes)
+        self.is_main_process = comm.is_main_process()
+        self.world_size = comm.get_world_size()
+        self.rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()
+        self.gpu_id = list(cfg.gpu_id or [])
+        self.device = self._select_device(self.gpu_id, bool(cfg.distributed))
+
+    def _select_device(self, gpu_id: List[int], distributed: bool) -> torch.device:
+        global _warned_no_cuda
+        if distributed and not comm.is_dist():
+            logger.warning("distributed=True but no process group is initialised: training in one "
+                           "process. Start the script through launch() or torchrun for DDP.")
+        if gpu_id and not torch.cuda.is_available():
+            if not _warned_no_cuda and comm.is_main_process():
+                logger.warning("gpu_id=%s but this machine has no CUDA device: training on the CPU", gpu_id)
+            _warned_no_cuda = True
+            return torch.device("cpu")
+        if gpu_id:
+            count = torch.cuda.device_count()
+            absent = [g for g in gpu_id if g < 0 or g >= count]
+            if absent:
+                raise ValueError(f"gpu_id={gpu_id}: {absent} not present; this machine has {count} CUDA "
+                                 f"device(s) (ids 0..{count - 1}). Set gpu_id to ids that exist, or [] for the CPU")
+        device = comm.get_device(gpu_id)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
+
+    # ----------------------------------------------------------------------------- build
+    def build(self, cfg: Any, **kwargs: Any) -> None:
+        """Call the hooks in this order: ``build_train_loader`` -> ``build_test_loader`` ->
+        ``build_model`` -> ``build_criterion`` -> ``build_optimizer`` -> ``build_callbacks``.
+
+        The loaders come first so they can set ``cfg.num_classes``/``cfg.classes``; callbacks come
+        last so they can use ``self.model``, ``self.optimizer`` and ``self.num_steps``.
+        """
+        self.train_loader = self.build_train_loader(cfg, **kwargs)
+        self.test_loader = self.build_test_loader(cfg, **kwargs)
+        if self.train_loader is not None:
+            self.num_steps = len(self.train_loader)
+            dataset = getattr(self.train_loader, "dataset", None)
+            self.num_samples = len(dataset) if dataset is not None else self.num_steps * cfg.batch_size
+            data.check_equal_lengths(self.train_loader)
+        self.model = self.build_model(cfg, **kwargs)
+        self.criterion = self.build_criterion(cfg, **kwargs)
+        self.optimizer = self.build_optimizer(cfg, **kwargs)
+        self.callbacks = [c for c in (self.build_callbacks(cfg, **kwargs) or []) if c is not None]
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__}.build_model returned None; return the model")
+
+    def _missing(self, hook: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} must implement {hook}(self, cfg, **kwargs); "
+                                   f"see EngineTrainer's docstring for an example")
+
+    def build_train_loader(self, cfg: Any, **kwargs: Any) -> Optional[DataLoader]:
+        """Return the training DataLoader (use :meth:`build_dataloader`); may set cfg.num_classes."""
+        raise self._missing("build_train_loader")
+
+    def build_test_loader(self, cfg: Any, **kwargs: Any) -> Optional[DataLoader]:
+        """Return the evaluation DataLoader, or None for no test phase."""
+        raise self._missing("build_test_loader")
+
+    def build_model(self, cfg: Any, **kwargs: Any) -> nn.Module:
+        """Return the model, wrapped by :meth:`build_model_parallel`."""
+        raise self._missing("build_model")
+
+    def build_criterion(self, cfg: Any, **kwargs: Any) -> nn.Module:
+        """Return the loss function."""
+        raise self._missing("build_criterion")
+
+    def build_optimizer(self, cfg: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """Return the optimizer of ``self.model``."""
+        raise self._missing("build_optimizer")
+
+    def build_callbacks(self, cfg: Any, **kwargs: Any) -> List[Any]:
+        """Return the list of callbacks (recorders, LogHistory, ModelCheckpoint, LR schedule...)."""
+        raise self._missing("build_callbacks")
+
+    # ----------------------------------------------------------------------------- helpers
+    def build_dataloader(self, dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
+                         shuffle: bool = True, pin_memory: bool = False, drop_last: bool = False,
+                         distributed: Optional[bool] = None, **kwargs: Any) -> DataLoader:
+        """A DataLoader whose order depends only on (seed, epoch), in every mode.
+
+        Args:
+            dataset: the data set.
+            batch_size: the *global* batch; each of the ``world_size`` processes loads
+                ``batch_size // world_size``.
+            num_workers: worker processes per training process.
+            phase: ``"train"`` (a seeded, per-epoch shuffled, rank-strided sampler) or
+                ``"test"`` (each rank a disjoint shard, no padding or duplicates).
+            shuffle: shuffle the training order (per epoch, from the seed).
+            pin_memory: pin host memory (only used when training on CUDA).
+            drop_last: drop the last incomplete batch.
+            distributed: shard over the processes (default: whenever a process group exists).
+            **kwargs: passed to :class:`torch.utils.data.DataLoader` (e.g. ``collate_fn``).
+        """
+        return data.build_dataloader(dataset, batch_size, num_workers, phase=phase, shuffle=shuffle,
+                                     pin_memory=pin_memory and self.device.type == "cuda",
+                                     drop_last=drop_last, distributed=distributed, seed=self.seed, **kwargs)
+
+    def build_model_parallel(self, model: nn.Module, gpu_id: Optional[Sequence[int]] = None,
+                             distributed: Optional[bool] = None, **kwargs: Any) -> nn.Module:
+        """Move ``model`` to the device and wrap it for the mode.
+
+        DDP when a process group exists (``device_ids`` on GPU, none on CPU; ``sync_bn`` and
+        ``find_unused_parameters`` from the config or keywords), DataParallel for several GPUs
+        in one process, else the bare model on ``self.device``.
+        """
+        gpu_id = list(kwargs.pop("device_ids", None) or (self.gpu_id if gpu_id is None else gpu_id) or [])
+        sync_bn = kwargs.pop("sync_bn", self.cfg.get("sync_bn", False))
+        find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
+        model = model.to(self.device)
+        if comm.is_dist() and comm.get_world_size() > 1 and distributed is not False:
+            if sync_bn:
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
+                                                       find_unused_parameters=find_unused, **kwargs)
+        if self.device.type == "cuda" and len(gpu_id) > 1:
+            return nn.DataParallel(model, device_ids=gpu_id)
+        return model
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Everything a resume needs, in weights-only types (see :mod:`basetrainer.engine.checkpoint`)."""
+        callbacks = {f"{i}:{type(c).__name__}": c.state_dict() for i, c in enumerate(self.callbacks)
+                     if hasattr(c, "state_dict")}
+        return {
+            "format": checkpoint.FORMAT,
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "model": self.unwrapped_model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "callbacks": callbacks,
+            "rng": checkpoint.rng_state(),
+            "config": setup_config._plain(dict(self.cfg)),
+        }
+
+    def load_state_dict(self, state: dict, source: str = "checkpoint") -> None:
+        """Restore :meth:`state_dict` (training continues at the epoch after the saved one)."""
+        torch_tools.load_weights(self.model, state["model"], strict=True, source=source)
+        if self.optimizer is not None and state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        saved = state.get("callbacks", {})
+        for i, c in enumerate(self.callbacks):
+            key = f"{i}:{type(c).__name__}"
+            if key in saved and hasattr(c, "load_state_dict"):
+                c.load_state_dict(saved[key])
+        if state.get("rng"):
+            checkpoint.set_rng_state(state["rng"])
+        self.start_epoch = int(state["epoch"]) + 1
+        self.global_step = int(state.get("global_step", 0))
+
+    def restore(self) -> None:
+        """Apply ``cfg.resume`` ("" = no, "auto" = newest checkpoint under work_dir, or a path)."""
+        resume = self.cfg.get("resume")
+        if not resume:
+            return
+        if resume == "auto":
+            root = self.cfg.get("work_dir") or "."
+            path = comm.broadcast_object(checkpoint.find_latest(root) if os.path.isdir(root) else None)
+            if path is None:
+                logger.warning("resume='auto': no resumable checkpoint under %s; training from scratch", root)
+                return
+        else:
+            path = resume
+        state = checkpoint.load_file(path, map_location="cpu")
+        if not checkpoint.is_resumable(state):
+            raise ValueError(f"resume={path!r} holds weights only, not a resumable checkpoint "
+                             f"(optimizer, epoch, ...); use finetune for weights, or resume from last.pth")
+        self.load_state_dict(state, source=path)
+        logger.info("resumed from %s: continuing at epoch %d (step %d)", path, self.start_epoch, self.global_step)

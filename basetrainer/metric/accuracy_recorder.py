@@ -1,0 +1,184 @@
+"""Classification accuracy (top-1, optional top-k), per-class accuracy and confusion matrix."""
+import logging
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from basetrainer.callbacks.callbacks import Callback, targets_of
+from basetrainer.engine import comm
+
+_logger = logging.getLogger(__name__)
+
+
+class ConfusionCounts:
+    """A confusion matrix and top-k hit counts kept on the device (no host sync per update)."""
+
+    def __init__(self, topk: Sequence[int]) -> None:
+        self.topk = tuple(topk)
+        self.matrix: Optional[torch.Tensor] = None   # [num_classes, num_classes], rows = truth
+        self.hits: Optional[torch.Tensor] = None     # [len(topk)] hits for k > 1
+
+    def reset(self) -> None:
+        self.matrix, self.hits = None, None
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        outputs = outputs.detach()
+        if outputs.dim() != 2:
+            raise ValueError(f"AccuracyRecorder expects outputs of shape [N, num_classes], got {tuple(outputs.shape)}")
+        targets = targets.detach()
+        if targets.dim() == 2:  # one-hot or soft labels
+            targets = targets.argmax(dim=1)
+        targets = targets.to(device=outputs.device, dtype=torch.long)
+        c = outputs.shape[1]
+        if self.matrix is None:
+            self.matrix = torch.zeros(c * c, dtype=torch.long, device=outputs.device)
+        preds = outputs.argmax(dim=1)
+        self.matrix += torch.bincount(targets * c + preds, minlength=c * c)
+        ks = [k for k in self.topk if k > 1]
+        if ks:
+            top = outputs.topk(min(max(ks), c), dim=1).indices
+            hit = top == targets[:, None]
+            counts = torch.stack([hit[:, :k].any(dim=1).sum() for k in ks])
+            self.hits = counts if self.hits is None else self.hits + counts
+
+    def matrix_2d(self, num_classes: int) -> torch.Tensor:
+        if self.matrix is None:
+            return torch.zeros(num_classes, num_classes, dtype=torch.long)
+        c = int(round(self.matrix.numel() ** 0.5))
+        return self.matrix.reshape(c, c)
+
+
+class AccuracyRecorder(Callback):
+    """Writes ``logs["train/<indicator>"]`` and ``logs["test/<indicator>"]``: the fraction of
+    samples whose top-1 prediction is right, over the whole epoch and every process; with
+    ``topk=(1, 5)`` also ``"<phase>/<indicator>_top5"``. At the end of each test phase it logs
+    the per-class accuracy and the confusion matrix (main process), and keeps them as
+    ``self.per_class`` and ``self.confusion_matrix``.
+
+    Figures are computed from a confusion matrix kept on the device; they are read every
+    ``log_freq`` steps (running train figure) and at the end of each phase.
+
+    Args:
+        target_names: class names (their count fixes the number of classes when given).
+        indicator: the figure's name (default ``"Accuracy"``).
+        topk: which top-k accuracies to report; 1 is always reported.
+        logger: where the per-class table goes (default: this module's logger).
+    """
+
+    def __init__(self, target_names: Optional[Sequence[str]] = None, indicator: str = "Accuracy",
+                 topk: Sequence[int] = (1,), logger: Optional[logging.Logger] = None) -> None:
+        super().__init__()
+        if any((not isinstance(k, int)) or k < 1 for k in topk):
+            raise ValueError(f"topk={tuple(topk)!r}: each k must be a positive integer")
+        self.target_names = list(target_names) if target_names is not None else None
+        self.indicator = indicator
+        self.topk = tuple(sorted(set(topk) | {1}))
+        self.logger = logger or _logger
+        self.train = ConfusionCounts(self.topk)
+        self.test = ConfusionCounts(self.topk)
+        self.confusion_matrix: Optional[torch.Tensor] = None
+        self.per_class: Dict[str, float] = {}
+
+    # ---------------------------------------------------------------- figures
+    def _num_classes(self, counts: ConfusionCounts, reduce: bool) -> int:
+        if self.target_names is not None:
+            return len(self.target_names)
+        c = 0 if counts.matrix is None else int(round(counts.matrix.numel() ** 0.5))
+        if reduce:
+            c = max(comm.all_gather_object(c))
+        return c
+
+    def compute(self, counts: ConfusionCounts, reduce: bool) -> Dict[str, Any]:
+        """Accuracy figures of ``counts`` (summed over ranks when ``reduce``)."""
+        c = self._num_classes(counts, reduce)
+        if c == 0:
+            return {}
+        matrix = counts.matrix_2d(c)
+        if matrix.shape[0] != c:
+            raise ValueError(f"the model outputs {matrix.shape[0]} classes but target_names has {c}: "
+                             f"set num_classes to the number of class folders")
+        ks = [k for k in self.topk if k > 1]
+        hits = counts.hits if counts.hits is not None else torch.zeros(len(ks), dtype=torch.long,
+                                                                          device=matrix.device)
+        packed = torch.cat([matrix.reshape(-1), hits.to(matrix.device)])
+        if reduce:
+            packed = comm.all_reduce_sum(packed)
+        packed = packed.cpu()
+        matrix = packed[: c * c].reshape(c, c)
+        total = int(matrix.sum())
+        figures: Dict[str, Any] = {"matrix": matrix, "total": total}
+        figures[self.indicator] = float(matrix.diag().sum()) / total if total else float("nan")
+        for k, h in zip(ks, packed[c * c:].tolist()):
+            figures[f"{self.indicator}_top{k}"] = h / total if total else float("nan")
+        return figures
+
+    def _publish(self, phase: str, figures: Dict[str, Any], logs: Optional[dict]) -> None:
+        if logs is None:
+            return
+        for key, value in figures.items():
+            if key.startswith(self.indicator):
+                logs[f"{phase}/{key}"] = value
+
+    # ---------------------------------------------------------------- events
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self.train.reset()
+
+    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                         logs: Optional[dict] = None) -> None:
+        self.train.update(_logits(outputs), targets_of(inputs))
+        if self.trainer is not None and self.trainer.should_log(batch):
+            self._publish("train", self.compute(self.train, reduce=False), logs)
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        if self.trainer is None or self.trainer.train_loader is not None:
+            self._publish("train", self.compute(self.train, reduce=True), logs)
+        self.test.reset()
+
+    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                        logs: Optional[dict] = None) -> None:
+        self.test.update(_logits(outputs), targets_of(inputs))
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        if self.trainer is not None and self.trainer.test_loader is None:
+            return
+        figures = self.compute(self.test, reduce=True)
+        if not figures:
+            return
+        self._publish("test", figures, logs)
+        matrix = figures["matrix"]
+        self.confusion_matrix = matrix
+        names = self.class_names(matrix.shape[0])
+        support = matrix.sum(dim=1)
+        self.per_class = {n: (float(matrix[i, i]) / int(support[i]) if int(support[i]) else float("nan"))
+                          for i, n in enumerate(names)}
+        if self.is_main_process:
+            self.logger.info("%s", self.report())
+
+    def class_names(self, num_classes: int) -> List[str]:
+        names = list(self.target_names or [])
+        return [str(n) for n in names[:num_classes]] + [str(i) for i in range(len(names), num_classes)]
+
+    def report(self) -> str:
+        """Per-class accuracy and the confusion matrix of the last test phase, as text."""
+        if self.confusion_matrix is None:
+            return "no test figures yet"
+        matrix = self.confusion_matrix
+        names = self.class_names(matrix.shape[0])
+        width = max(6, max(len(n) for n in names) + 1)
+        lines = ["per-class accuracy (test):"]
+        lines += [f"  {n:<{width}} {acc:.4f}  ({int(matrix[i].sum())} samples)"
+                  for i, (n, acc) in enumerate(self.per_class.items())]
+        lines.append("confusion matrix (rows: truth, columns: prediction):")
+        lines.append(" " * (width + 2) + " ".join(f"{n[:width]:>{width}}" for n in names))
+        for i, n in enumerate(names):
+            lines.append(f"  {n:<{width}}" + " ".join(f"{int(v):>{width}}" for v in matrix[i].tolist()))
+        return "\n".join(lines)
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    """The class scores of a model's outputs (the first tensor of a tuple/list)."""
+    if isinstance(outputs, (list, tuple)):
+        outputs = outputs[0]
+    if isinstance(outputs, dict):
+        outputs = outputs.get("logits", next(iter(outputs.values())))
+    return outputs

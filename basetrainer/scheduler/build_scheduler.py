@@ -1,0 +1,183 @@
+"""Learning-rate schedules with linear warm-up, applied per optimizer step, as a callback.
+
+Each schedule is a factor ``f(t)`` of the epoch position ``t`` (fractional: step k of an epoch
+of n steps is ``epoch + k / n``); the LR of a step is ``lr_init * warmup(k) * f(t)``, set through
+:class:`torch.optim.lr_scheduler.LambdaLR` before any callback's ``on_batch_begin`` of that step.
+"""
+import logging
+import math
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from basetrainer.callbacks.callbacks import Callback
+
+logger = logging.getLogger(__name__)
+
+
+def _multi_step(milestones: Sequence[int], gamma: float, **_: Any) -> Callable[[float, float], float]:
+    stones = sorted(int(m) for m in milestones or ())
+    return lambda t, _t0: gamma ** sum(1 for m in stones if int(t) >= m)
+
+
+def _step(step_size: int, gamma: float, **_: Any) -> Callable[[float, float], float]:
+    return lambda t, _t0: gamma ** (int(t) // step_size)
+
+
+def _exponential(gamma: float, **_: Any) -> Callable[[float, float], float]:
+    return lambda t, _t0: gamma ** int(t)
+
+
+def _cosine(num_epochs: int, lr_min_ratio: float, **_: Any) -> Callable[[float, float], float]:
+    def factor(t: float, t0: float) -> float:  # cosine over the epochs after warm-up
+        span = max(num_epochs - t0, 1e-12)
+        progress = min(max((t - t0) / span, 0.0), 1.0)
+        return lr_min_ratio + (1.0 - lr_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+def _constant(**_: Any) -> Callable[[float, float], float]:
+    return lambda t, _t0: 1.0
+
+
+_SCHEDULERS: Dict[str, Callable[..., Callable[[float, float], float]]] = {
+    "multi-step": _multi_step,
+    "cosine": _cosine,
+    "step": _step,
+    "exponential": _exponential,
+    "constant": _constant,
+}
+_ALIASES = {"multistep": "multi-step", "multi_step": "multi-step", "multisteplr": "multi-step",
+            "cos": "cosine", "cosineannealinglr": "cosine", "steplr": "step", "exp": "exponential",
+            "exponentiallr": "exponential", "none": "constant", "fixed": "constant"}
+
+
+def scheduler_names() -> List[str]:
+    return sorted(_SCHEDULERS)
+
+
+def _canonical(name: str) -> str:
+    if not isinstance(name, str):
+        raise ValueError(f"scheduler={name!r} must be a string; choose from {scheduler_names()}")
+    key = name.strip().lower()
+    key = _ALIASES.get(key.replace("-", "").replace("_", ""), _ALIASES.get(key, key))
+    if key not in _SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; choose from {scheduler_names()}")
+    return key
+
+
+class LRSchedulerCallback(Callback):
+    """Sets the LR of every optimizer step and writes it to ``logs["lr"]``.
+
+    It positions a :class:`torch.optim.lr_scheduler.LambdaLR` at the global optimizer step
+    before each step, so it is exact after a resume and with gradient accumulation (it counts
+    optimizer steps, ``ceil(num_steps / accumulate_steps)`` per epoch).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, name: str, factor: Callable[[float, float], float],
+                 num_steps: int, num_warn_up: float = 0) -> None:
+        super().__init__()
+        if not isinstance(num_steps, int) or num_steps <= 0:
+            raise ValueError(f"num_steps={num_steps!r} must be the number of train steps per epoch "
+                             f"(len(train_loader)), a positive integer")
+        if num_warn_up is None or num_warn_up < 0:
+            raise ValueError(f"num_warn_up={num_warn_up!r} must be a number of epochs >= 0")
+        self.optimizer = optimizer
+        self.name = name
+        self.factor = factor
+        self.num_steps = num_steps
+        self.num_warn_up = float(num_warn_up)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=self.lr_factor)
+
+    @property
+    def _accumulate(self) -> int:
+        return int(getattr(self.trainer, "accumulate_steps", 1) or 1)
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch."""
+        return -(-self.num_steps // self._accumulate)
+
+    def lr_factor(self, step: int) -> float:
+        """The multiplier of the initial LR at global optimizer step ``step``."""
+        n = self.steps_per_epoch()
+        warm_steps = self.num_warn_up * n
+        warm = min(1.0, (step + 1) / warm_steps) if warm_steps > 0 else 1.0
+        return warm * self.factor(step / n, self.num_warn_up)
+
+    def lr_at(self, step: int) -> List[float]:
+        """The LR of every parameter group at global optimizer step ``step``."""
+        return [base * self.lr_factor(step) for base in self.scheduler.base_lrs]
+
+    def on_batch_prepare(self, epoch: int, batch: int, logs: Optional[dict] = None) -> None:
+        step = epoch * self.steps_per_epoch() + batch // self._accumulate
+        if step != self.scheduler.last_epoch:
+            with warnings.catch_warnings():  # positioning, not a misplaced step() call
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.last_epoch = step - 1
+                self.scheduler.step()
+        if logs is not None:
+            logs["lr"] = self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"last_step": int(self.scheduler.last_epoch), "base_lrs": list(self.scheduler.base_lrs)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scheduler.base_lrs = list(state.get("base_lrs", self.scheduler.base_lrs))
+        self.scheduler.last_epoch = int(state.get("last_step", self.scheduler.last_epoch))
+
+
+def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Optional[float] = None,
+                  num_epochs: int = 1, num_steps: int = 1, milestones: Optional[Sequence[int]] = None,
+                  num_warn_up: float = 0, gamma: Optional[float] = None, step_size: Optional[int] = None,
+                  lr_min: float = 0.0, **kwargs: Any) -> LRSchedulerCallback:
+    """Build an LR schedule callback.
+
+    Args:
+        scheduler: ``multi-step``, ``cosine``, ``step``, ``exponential`` or ``constant``.
+        optimizer: the optimizer whose groups' LR is set.
+        lr_init: the LR after warm-up (default: each group's current LR).
+        num_epochs: total epochs (cosine anneals to ``lr_min`` at the end).
+        num_steps: train steps per epoch (``len(train_loader)``).
+        milestones: 0-based epochs from which the LR is multiplied by ``gamma`` (multi-step).
+        num_warn_up: epochs of linear warm-up, applied per step: step k of the warm-up has LR
+            ``lr_init * (k + 1) / (num_warn_up * num_steps)``.
+        gamma: decay factor (0.1 for multi-step/step, 0.95 per epoch for exponential).
+        step_size: epochs between decays for ``step`` (default: a third of ``num_epochs``).
+        lr_min: the final LR of ``cosine``.
+
+    Returns:
+        An :class:`LRSchedulerCallback`; put it in the trainer's callbacks.
+
+    Raises:
+        ValueError: unknown name, or out-of-range numbers.
+    """
+    name = _canonical(scheduler)
+    if not isinstance(num_epochs, int) or num_epochs <= 0:
+        raise ValueError(f"num_epochs={num_epochs!r} must be a positive integer")
+    if lr_init is not None:
+        if not isinstance(lr_init, (int, float)) or lr_init <= 0:
+            raise ValueError(f"lr={lr_init!r} must be a positive number")
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = float(lr_init)
+    if milestones is not None and not isinstance(milestones, (list, tuple)):
+        milestones = [milestones]
+    late = [m for m in (milestones or []) if int(m) >= num_epochs]
+    if name == "multi-step" and late:
+        logger.warning("milestones %s are beyond num_epochs=%d (epochs are 0-based): they never apply",
+                       late, num_epochs)
+    if num_warn_up and num_warn_up >= num_epochs:
+        logger.warning("num_warn_up=%s covers all num_epochs=%d: the LR never reaches lr_init's schedule",
+                       num_warn_up, num_epochs)
+    first_lr = lr_init if lr_init is not None else optimizer.param_groups[0]["lr"]
+    if gamma is None:
+        gamma = 0.95 if name == "exponential" else 0.1
+    if step_size is None:
+        step_size = max(1, num_epochs // 3)
+    if not isinstance(step_size, int) or step_size <= 0:
+        raise ValueError(f"step_size={step_size!r} must be a positive integer number of epochs")
+    if lr_min < 0 or lr_min >= first_lr:
+        raise ValueError(f"lr_min={lr_min!r} must be >= 0 and below lr={first_lr}")
+    factor = _SCHEDULERS[name](milestones=milestones or [], gamma=gamma, step_size=step_size,
+                               num_epochs=num_epochs, lr_min_ratio=lr_min / first_lr)
+    return LRSchedulerCallback(optimizer, name, factor, num_steps=num_steps, num_warn_up=num_warn_up or 0)

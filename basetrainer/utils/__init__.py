@@ -1,0 +1,1 @@
+"""Configuration, logging, files and torch helpers."""

@@ -1,0 +1,319 @@
+"""Configuration: YAML + argparse merged into one :class:`Config`, with documented defaults.
+
+Precedence in ``parser_config(args, cfg_updata=True)``: argparse defaults < YAML < flags typed on
+the command line. Every key the engine reads has a default (:data:`ENGINE_KEYS`), so a config
+holding only what a script uses works; scripts may add keys of their own.
+"""
+import argparse
+import copy
+import difflib
+import logging
+import os
+import sys
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+logger = logging.getLogger(__name__)
+
+
+class Config(dict):
+    """A dict whose keys are also attributes: ``cfg.lr``, ``cfg["lr"]``, ``cfg.new_key = 1``.
+
+    Nested dicts become Configs. It pickles (it crosses process boundaries in ``launch``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, dict) and not isinstance(value, Config):
+            value = Config(value)
+        super().__setitem__(key, value)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"config has no key {key!r}") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        try:
+            del self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (Config, (dict(self),))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Config":
+        return Config(copy.deepcopy(dict(self), memo))
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A plain-dict deep copy (nested Configs too)."""
+        return {k: (v.to_dict() if isinstance(v, Config) else copy.deepcopy(v)) for k, v in self.items()}
+
+
+# ---------------------------------------------------------------------------------- the keys
+# name: (default, accepted types, meaning). "number" = int or float; "ints" = list of ints;
+# "size" = two positive ints; "path" = str or list of str or None; "bool" = bool.
+ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
+    "train_data": (None, "path", "training data: a folder (ImageFolder) or a list of folders"),
+    "test_data": (None, "path", "evaluation data (same forms); none skips the test phase"),
+    "work_dir": ("work_space", "str", "output folder: checkpoints in model/, logs in log/"),
+    "net_type": ("resnet18", "str", "model name (any torchvision classification model)"),
+    "input_size": ([224, 224], "size", "model input [W, H]"),
+    "batch_size": (32, "int", "global batch: all processes together, per optimizer step"),
+    "lr": (0.1, "number", "initial learning rate (after warm-up)"),
+    "optim_type": ("SGD", "str", "SGD, Adam, AdamW, RMSprop"),
+    "loss_type": ("CrossEntropyLoss", "str", "CrossEntropyLoss (CELoss), LabelSmoothing, FocalLoss"),
+    "scheduler": ("multi-step", "str", "multi-step, cosine, step, exponential, constant"),
+    "milestones": ([30, 60, 90], "ints", "0-based epochs from which the LR is multiplied by 0.1"),
+    "momentum": (0.9, "number", "SGD/RMSprop momentum"),
+    "num_epochs": (100, "int", "epochs to train"),
+    "num_warn_up": (0, "number", "epochs of linear LR warm-up, applied per step"),
+    "num_workers": (0, "int", "DataLoader worker processes per training process"),
+    "weight_decay": (5e-4, "number", "weight decay"),
+    "gpu_id": ([0], "ints", "GPU ids; several without distributed = DataParallel; [] = CPU"),
+    "log_freq": (50, "int", "steps between log lines (and reads of running figures)"),
+    "finetune": ("", "optpath", "weights file to start from (weights only)"),
+    "use_prune": (False, "bool", "prune the model before training"),
+    "progress": (True, "bool", "show progress bars (main process)"),
+    "distributed": (False, "bool", "one process per gpu_id entry (DDP)"),
+    "seed": (2020, "int", "random seed: the train order depends only on (seed, epoch)"),
+    "pretrained": (False, "boolpath", "torchvision weights from the local cache, or a weights file"),
+    "resume": ("", "optpath", "'' (no), 'auto' (newest checkpoint in work_dir) or a checkpoint path"),
+    "amp": ("none", "str", "mixed precision: none, fp16 (CUDA), bf16"),
+    "accumulate_steps": (1, "int", "micro-batches per optimizer step"),
+    "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),
+    "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm in DDP"),
+    "find_unused_parameters": (False, "bool", "DDP option for models with unused parameters"),
+    "start_save": (None, "optint", "ModelCheckpoint: first epoch to keep per-epoch files (None = last 10)"),
+}
+
+
+def engine_defaults() -> Config:
+    """A Config holding the default of every engine key."""
+    return Config({k: copy.deepcopy(v[0]) for k, v in ENGINE_KEYS.items()})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_CHECKS = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (_is_int, "an integer"),
+    "optint": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "number": (lambda v: (_is_int(v) or isinstance(v, float)), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "ints": (lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v), "a list of integers"),
+    "size": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x) and x > 0 for x in v),
+             "two positive integers [W, H]"),
+    "path": (lambda v: v is None or isinstance(v, str) or
+             (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+             "a path, a list of paths, or null"),
+    "optpath": (lambda v: v is None or v is False or isinstance(v, str), "a path, '' or null"),
+    "boolpath": (lambda v: isinstance(v, (bool, str)) or v is None, "true, false or a path"),
+}
+
+
+def validate(cfg: Any) -> None:
+    """Check the type of every engine key present in ``cfg``.
+
+    Raises:
+        TypeError: naming the key, the value and the expected type.
+        ValueError: a value of the right type out of range (batch_size <= 0, ...).
+    """
+    for key, (_, kind, meaning) in ENGINE_KEYS.items():
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        if kind == "ints" and _is_int(value):  # gpu_id: 0 means [0]
+            cfg[key] = value = [value]
+        ok, expected = _CHECKS[kind]
+        if not ok(value):
+            raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected} "
+                            f"({meaning})")
+    for key in ("batch_size", "num_epochs", "log_freq", "accumulate_steps"):
+        if key in cfg and cfg[key] <= 0:
+            raise ValueError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
+    for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm"):
+        if key in cfg and cfg[key] is not None and cfg[key] < 0:
+            raise ValueError(f"config key {key!r} = {cfg[key]!r} must be >= 0")
+    if "lr" in cfg and cfg["lr"] <= 0:
+        raise ValueError(f"config key 'lr' = {cfg['lr']!r} must be a positive number")
+
+
+def with_defaults(cfg: Any) -> Any:
+    """Fill every missing engine key of ``cfg`` in place with its default; return ``cfg``.
+
+    ``cfg`` may be a Config, a dict, an EasyDict or an argparse Namespace (a plain dict or a
+    Namespace is converted to a Config, so attribute access works).
+    """
+    if isinstance(cfg, argparse.Namespace):
+        cfg = Config(vars(cfg))
+    elif cfg is None:
+        cfg = Config()
+    elif type(cfg) is dict:
+        cfg = Config(cfg)
+    for key, (default, _, _) in ENGINE_KEYS.items():
+        if key not in cfg:
+            cfg[key] = copy.deepcopy(default)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- YAML
+def load_config(config_file: str) -> Config:
+    """Read a YAML file into a Config.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the YAML does not parse (line and column given) or is not a mapping.
+    """
+    import yaml
+
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"config_file {config_file!r} does not exist")
+    with open(config_file, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"config_file {config_file!r} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        return Config()
+    if not isinstance(data, dict):
+        raise ValueError(f"config_file {config_file!r} must hold a mapping of keys to values, "
+                         f"got {type(data).__name__}")
+    return Config(data)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def save_config(cfg: Any, config_file: str) -> str:
+    """Write ``cfg`` as YAML (loads back equal for plain values; others are written as text)."""
+    import yaml
+
+    data = vars(cfg) if isinstance(cfg, argparse.Namespace) else dict(cfg)
+    folder = os.path.dirname(os.path.abspath(config_file))
+    os.makedirs(folder, exist_ok=True)
+    with open(config_file, "w", encoding="utf-8") as f:
+        yaml.safe_dump(_plain(data), f, sort_keys=False, allow_unicode=True)
+    return config_file
+
+
+# ---------------------------------------------------------------------------------- argparse
+def _typed_keys(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser],
+                argv: Sequence[str]) -> Set[str]:
+    """The dests of the options typed on the command line."""
+    if parser is not None:
+        saved = {}
+        for action in parser._actions:
+            saved[action] = action.default
+            action.default = argparse.SUPPRESS
+        saved_required = {a: a.required for a in parser._actions}
+        try:
+            for action in parser._actions:
+                action.required = False
+            seen, _ = parser.parse_known_args(list(argv))
+        finally:
+            for action, default in saved.items():
+                action.default = default
+            for action, required in saved_required.items():
+                action.required = required
+        return set(vars(seen))
+    typed = set()
+    known = set(vars(args))
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            for candidate in (name, name[3:] if name.startswith("no_") else None):
+                if candidate in known:
+                    typed.add(candidate)
+    return typed
+
+
+def _warn_unknown(yaml_keys: Iterable[str], known: Iterable[str], config_file: str) -> None:
+    known = sorted(set(known))
+    for key in yaml_keys:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else " (kept as a key of your script's own)"
+        logger.warning("config_file %s: unknown key %r%s", config_file, key, hint)
+
+
+def parser_config(args: Any, cfg_updata: bool = True, parser: Optional[argparse.ArgumentParser] = None,
+                  argv: Optional[Sequence[str]] = None) -> Config:
+    """Merge argparse values with the YAML file named by ``args.config_file``.
+
+    Args:
+        args: the parsed namespace (or a dict).
+        cfg_updata: True: argparse defaults < YAML < flags typed on the command line.
+            False: argparse values win over YAML (the original project's meaning).
+        parser: the parser that made ``args``; with it, typed flags are found exactly (short
+            options too). Without it they are found in ``argv`` by their ``--name``.
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        A :class:`Config`: every engine key present (with its default where nobody set it),
+        validated, and ``config_file`` set.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: unreadable YAML or a wrong value, naming the key.
+    """
+    if isinstance(args, argparse.Namespace):
+        arg_values = dict(vars(args))
+    else:
+        arg_values = dict(args or {})
+        args = argparse.Namespace(**arg_values)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file = arg_values.get("config_file")
+    merged: Dict[str, Any] = dict(arg_values)
+    if config_file:
+        yaml_cfg = load_config(config_file)
+        _warn_unknown(yaml_cfg, list(arg_values) + list(ENGINE_KEYS) + ["config_file"], config_file)
+        if cfg_updata:
+            typed = _typed_keys(args, parser, argv)
+            merged.update(yaml_cfg)
+            merged.update({k: arg_values[k] for k in typed if k in arg_values})
+        else:
+            merged = {**dict(yaml_cfg), **arg_values}
+    merged["config_file"] = config_file
+    cfg = with_defaults(Config(merged))
+    validate(cfg)
+    return cfg
+
+
+def print_dict(cfg: Any, title: str = "config") -> str:
+    """The config as aligned ``key : value`` lines (returned and logged at INFO)."""
+    items = vars(cfg) if isinstance(cfg, argparse.Namespace) else dict(cfg)
+    width = max((len(str(k)) for k in items), default=0)
+    text = "\n".join([f"{title}:"] + [f"  {str(k):<{width}} : {v}" for k, v in items.items()])
+    logger.info("%s", text)
+    return text
+
+
+def key_table() -> List[Tuple[str, Any, str]]:
+    """``(key, default, meaning)`` of every engine key (used for the README's table)."""
+    return [(k, v[0], v[2]) for k, v in ENGINE_KEYS.items()]

@@ -155,6 +155,7 @@ def _dist_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple
     try:
         result = fn(rank, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+        dist.barrier()  # leave together (gloo may abort a rank that tears down early)
     except BaseException:
         with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())

@@ -62,12 +62,15 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
+        # every weights-only failure mentions "weights_only"; only a blocked GLOBAL is pickled code
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "unsupported" in line.lower()), lines[0] if lines else "")
+        if "unsupported global" in str(e).lower():
             raise ValueError(f"refused to load {path!r}: it holds pickled Python objects that would run "
                              f"code when loaded (only tensors, numbers, strings, lists and dicts are "
-                             f"accepted). Re-save it as a plain state_dict. Details: {str(e).splitlines()[0]}"
+                             f"accepted). Re-save it as a plain state_dict. Details: {detail}"
                              ) from None
-        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file: {e}") from None
+        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file ({detail})") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -40,6 +40,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
+        elif isinstance(model, ModelWithLoss):
+            model = model.model
         else:
             return model
 
@@ -56,7 +58,7 @@ class _NonFiniteGuard:
         self.pending: List[Tuple[int, torch.Tensor, Any]] = []
 
     def watch(self, batch: int, loss: torch.Tensor, losses: Any) -> None:
-        parts = losses if isinstance(losses, torch.Tensor) else (
+        parts = losses.detach() if isinstance(losses, torch.Tensor) else (
             {k: v.detach() for k, v in losses.items()} if isinstance(losses, dict)
             else [v.detach() for v in losses])
         self.pending.append((batch, loss.detach(), parts))
@@ -78,6 +80,24 @@ class _NonFiniteGuard:
         raise FloatingPointError(
             f"non-finite loss at epoch {epoch}, step {batch}: loss={float(loss)} (losses: {shown}). "
             f"Lower the learning rate, enable clip_grad_norm, or check the data and the model.")
+
+
+class ModelWithLoss(nn.Module):
+    """Model and criterion in one module, so that under DataParallel every replica computes
+    the loss of its own slice; only outputs and two numbers per replica are gathered on the
+    first device. Returns ``(outputs, loss x samples, samples)``: the engine divides the sums,
+    which gives the exact sample-weighted mean over the whole batch."""
+
+    def __init__(self, model: nn.Module, criterion: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.criterion = criterion
+
+    def forward(self, data: Any, targets: torch.Tensor) -> Tuple[Any, torch.Tensor, torch.Tensor]:
+        outputs = self.model(data)
+        loss = self.criterion(outputs, targets)
+        count = torch.full((1,), float(targets.shape[0]), device=loss.device)
+        return outputs, loss.reshape(1) * count, count
 
 
 class Engine:
@@ -113,6 +133,7 @@ class Engine:
         self.amp = "none"               # none | fp16 | bf16
         self.accumulate_steps = 1
         self.clip_grad_norm: Optional[float] = None
+        self.loss_in_replica = False    # model is DataParallel(ModelWithLoss): it returns the loss too
         self.stop_training = False
         self.history = History()
         self.scaler: Optional[torch.amp.GradScaler] = None
@@ -198,18 +219,23 @@ class Engine:
         if finished:
             self.dispatch("on_train_end", logs)
             return
-        try:  # an exception is already on its way: never hide it behind one from on_train_end
-            self.dispatch("on_train_end", logs)
-        except Exception:
-            logger.exception("on_train_end failed while handling an earlier error")
+        # an exception is already on its way: never hide it behind one from on_train_end, and
+        # let every callback close its files even when an earlier one fails here
+        for name, handler in self._handlers.get("on_train_end", ()):
+            try:
+                handler(logs)
+            except Exception:
+                logger.exception("%s.on_train_end failed while handling an earlier error", name)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the train loader's (distributed) sampler which epoch it is: it reshuffles."""
         loader = self.train_loader
+        done = []  # a DataLoader's batch_sampler usually wraps the same sampler: call it once
         for holder in (loader, getattr(loader, "batch_sampler", None)):
             sampler = getattr(holder, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
+            if hasattr(sampler, "set_epoch") and not any(sampler is s for s in done):
                 sampler.set_epoch(epoch)
+                done.append(sampler)
 
     def run_train_epoch(self, epoch: int, logs: dict) -> None:
         self.model.train()
@@ -290,6 +316,9 @@ class Engine:
             ``(outputs, losses)``; losses may be a tensor, a tuple or a dict of tensors.
         """
         data, targets = inputs[0], inputs[1]
+        if self.loss_in_replica:
+            outputs, loss_sums, counts = self.model(data, targets)
+            return outputs, loss_sums.sum() / counts.sum()
         outputs = self.model(data)
         losses = self.criterion(outputs, targets)
         return outputs, losses

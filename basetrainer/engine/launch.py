@@ -97,7 +97,9 @@ def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: s
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timeout)
     try:
-        return main_func(*args)
+        result = main_func(*args)
+        dist.barrier()  # leave together: gloo may abort a rank that tears down while peers still work
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

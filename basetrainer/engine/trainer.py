@@ -8,8 +8,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from basetrainer.dataloader import loader as data
-from basetrainer.engine import checkpoint, comm
-from basetrainer.engine.engine import Engine
+from basetrainer.engine import checkpoint, comm, sync_batchnorm
+from basetrainer.engine.engine import Engine, ModelWithLoss
 from basetrainer.utils import setup_config, torch_tools
 
 logger = logging.getLogger(__name__)
@@ -107,9 +107,13 @@ class EngineTrainer(Engine):
         self.model = self.build_model(cfg, **kwargs)
         self.criterion = self.build_criterion(cfg, **kwargs)
         self.optimizer = self.build_optimizer(cfg, **kwargs)
-        self.callbacks = [c for c in (self.build_callbacks(cfg, **kwargs) or []) if c is not None]
         if self.model is None:
             raise ValueError(f"{type(self).__name__}.build_model returned None; return the model")
+        if cfg.get("loss_in_replica") and isinstance(self.model, nn.DataParallel):
+            self.model = nn.DataParallel(ModelWithLoss(self.model.module, self.criterion),
+                                         device_ids=self.model.device_ids)
+            self.loss_in_replica = True
+        self.callbacks = [c for c in (self.build_callbacks(cfg, **kwargs) or []) if c is not None]
 
     def _missing(self, hook: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} must implement {hook}(self, cfg, **kwargs); "
@@ -175,8 +179,9 @@ class EngineTrainer(Engine):
         find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
         model = model.to(self.device)
         if comm.is_dist() and comm.get_world_size() > 1 and distributed is not False:
-            if sync_bn:
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            if sync_bn:  # torch's SyncBatchNorm needs CUDA; GlobalBatchNorm also runs on gloo/CPU
+                model = (nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.device.type == "cuda"
+                         else sync_batchnorm.convert_sync_batchnorm(model))
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                        find_unused_parameters=find_unused, **kwargs)

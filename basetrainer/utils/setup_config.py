@@ -96,6 +96,7 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),
     "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm in DDP"),
     "find_unused_parameters": (False, "bool", "DDP option for models with unused parameters"),
+    "loss_in_replica": (False, "bool", "DataParallel: each replica computes its own loss (less memory on GPU 0)"),
     "start_save": (None, "optint", "ModelCheckpoint: first epoch to keep per-epoch files (None = last 10)"),
 }
 
@@ -248,8 +249,12 @@ def _typed_keys(args: argparse.Namespace, parser: Optional[argparse.ArgumentPars
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0].replace("-", "_")
             for candidate in (name, name[3:] if name.startswith("no_") else None):
-                if candidate in known:
-                    typed.add(candidate)
+                if not candidate:
+                    continue
+                # argparse accepts unique prefixes (--batch for --batch_size)
+                matches = [candidate] if candidate in known else [k for k in known if k.startswith(candidate)]
+                if len(matches) == 1:
+                    typed.add(matches[0])
     return typed
 
 

@@ -6,8 +6,8 @@ Usage::
     python bench/prune_latency.py --batch 1 --runs 30 --prune-type fpgm --threads 2
 
 For each model: prune a copy with :func:`basetrainer.pruning.nni_pruning.model_pruning`, then
-time ``--runs`` forward passes of each (after ``--warmup`` untimed ones) under
-``torch.inference_mode()`` and print the median, with the parameter / MAC ratios
+time ``--runs`` forward passes of each, interleaved (after ``--warmup`` untimed ones), under
+``torch.inference_mode()`` and print the medians, with the parameter / MAC ratios
 (pruned / dense, MACs per sample) and the latency ratio pruned / dense.
 """
 import argparse
@@ -29,18 +29,29 @@ from basetrainer.pruning.counter import profile_model  # noqa: E402
 from basetrainer.pruning.nni_pruning import model_pruning  # noqa: E402
 
 
-def median_latency_ms(model: nn.Module, inputs: torch.Tensor, runs: int, warmup: int) -> float:
-    """Median wall time of one forward pass in milliseconds."""
-    model.eval()
-    times: List[float] = []
+def _forward_ms(model: nn.Module, inputs: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model(inputs)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def median_latencies_ms(models: List[nn.Module], inputs: torch.Tensor, runs: int,
+                        warmup: int) -> List[float]:
+    """Median wall time of one forward pass of each model, in milliseconds.
+
+    The models are timed in turn within every run (interleaved), so a burst of load from other
+    processes slows all of them alike instead of skewing the ratio.
+    """
+    times: List[List[float]] = [[] for _ in models]
     with torch.inference_mode():
-        for _ in range(warmup):
-            model(inputs)
+        for model in models:
+            model.eval()
+            for _ in range(warmup):
+                model(inputs)
         for _ in range(runs):
-            start = time.perf_counter()
-            model(inputs)
-            times.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(times)
+            for model, record in zip(models, times):
+                record.append(_forward_ms(model, inputs))
+    return [statistics.median(record) for record in times]
 
 
 def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> Dict[str, float]:
@@ -52,8 +63,7 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> Dict[str,
     one = torch.randn(1, 3, args.size, args.size)
     cost_dense, cost_pruned = profile_model(dense, one), profile_model(pruned, one)
     batch = torch.randn(args.batch, 3, args.size, args.size)
-    dense_ms = median_latency_ms(dense, batch, args.runs, args.warmup)
-    pruned_ms = median_latency_ms(pruned, batch, args.runs, args.warmup)
+    dense_ms, pruned_ms = median_latencies_ms([dense, pruned], batch, args.runs, args.warmup)
     return {"dense_ms": dense_ms, "pruned_ms": pruned_ms,
             "params_ratio": cost_pruned.params / cost_dense.params,
             "macs_ratio": cost_pruned.macs / cost_dense.macs,

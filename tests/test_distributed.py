@@ -241,3 +241,23 @@ def test_torchrun_trains_the_example(tmp_path):
     assert "final test/Accuracy" in proc.stdout
     assert "processes: 2" in proc.stdout
     assert (tmp_path / "work" / "model" / "last.pth").is_file()
+
+
+def _prune_rank(rank, out):
+    pytest.importorskip("torch_pruning", reason="torch-pruning (extra 'prune') is not installed")
+    from basetrainer.models.build_models import get_models
+    from basetrainer.pruning.nni_pruning import model_pruning
+
+    torch.manual_seed(100 + rank)  # each rank starts from different dense weights
+    model = get_models("resnet18", [32, 32], 10)
+    dense = sum(p.numel() for p in model.parameters())
+    model = model_pruning(model, [32, 32], sparsity=0.5, output_prune=out)
+    return {"dense": dense, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_ddp_prunes_once_on_rank0_and_every_rank_holds_it(tmp_path):
+    pytest.importorskip("torch_pruning", reason="torch-pruning (extra 'prune') is not installed")
+    results = run_distributed(_prune_rank, 2, tmp_path, str(tmp_path / "prune"), timeout=TIMEOUT)
+    _assert_same_weights(results[0]["state"], results[1]["state"], tol=0)
+    pruned = sum(v.numel() for k, v in results[0]["state"].items() if "running" not in k and "num_batches" not in k)
+    assert pruned <= 0.35 * results[0]["dense"]

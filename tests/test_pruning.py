@@ -22,6 +22,15 @@ NUM_CLASSES = 10
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny inputs gain nothing from threads; one thread keeps timings steady on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _resnet18() -> nn.Module:
     torch.manual_seed(0)
     return torchvision.models.resnet18(num_classes=NUM_CLASSES)
@@ -206,6 +215,17 @@ def test_mask_importance_removes_the_masked_channels():
     prune_channels(net, torch.randn(1, 3, 16, 16), MaskImportance(masks, net), 0.5, [net[7]])
     assert torch.equal(net[0].weight, weight[keep.bool()])
     assert net[3].out_channels == 4 and net[7].in_features == 4
+
+
+def test_slim_keeps_the_channels_with_the_largest_bn_scales(tmp_path):
+    pytest.importorskip("torch_pruning", reason=TP_REASON)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(6, 2))
+    scales = torch.tensor([0.1, -2.0, 0.05, 3.0, 0.2, 1.0])
+    with torch.no_grad():
+        net[1].weight.copy_(scales)
+    model_pruning(net, [1, 3, 8, 8], sparsity=0.5, prune_type="slim", output_prune=str(tmp_path))
+    assert torch.equal(net[1].weight.detach(), torch.tensor([-2.0, 3.0, 1.0]))
 
 
 def test_import_does_not_load_backends():

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, infer_mode, resolve_indicator
-from basetrainer.engine import checkpoint
+from basetrainer.engine import checkpoint, comm
 from basetrainer.engine.engine import unwrap_model
 
 _logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ class ModelCheckpoint(Callback):
         mode: ``"max"`` or ``"min"``; inferred from the name when omitted (``loss``/``err`` ->
             min). ``inverse=True`` (the original's keyword) means ``"min"``.
         keep: how many per-epoch files to keep when ``start_save`` is None or -1.
+        save_freq_steps: also write ``last.pth`` every this many steps, mid-epoch (0 = off); a
+            resume then continues inside the epoch, skipping the batches already trained.
 
     Example::
 
@@ -46,7 +48,7 @@ class ModelCheckpoint(Callback):
                  moder_dir: Optional[str] = None, epochs: Optional[int] = None, start_save: Optional[int] = None,
                  indicator: str = "", logger: Optional[logging.Logger] = None, model_dir: Optional[str] = None,
                  mode: Optional[str] = None, inverse: Optional[bool] = None, keep: int = 10,
-                 best_save: int = -1, **kwargs: Any) -> None:
+                 best_save: int = -1, save_freq_steps: int = 0, **kwargs: Any) -> None:
         super().__init__()
         folder = model_dir or moder_dir
         if not folder:
@@ -71,6 +73,9 @@ class ModelCheckpoint(Callback):
         self.best: Optional[float] = None
         self.best_epoch: Optional[int] = None
         self.best_file: Optional[str] = None
+        if not isinstance(save_freq_steps, int) or save_freq_steps < 0:
+            raise ValueError(f"save_freq_steps={save_freq_steps!r} must be an integer >= 0 (0 = only at epoch ends)")
+        self.save_freq_steps = save_freq_steps
 
     @property
     def moder_dir(self) -> str:  # the original project's attribute name
@@ -100,10 +105,11 @@ class ModelCheckpoint(Callback):
         improved = value is not None and epoch >= self.best_save and self._improved(value)
         if improved:
             self.best, self.best_epoch = value, epoch
+        rngs = comm.all_gather_object(checkpoint.rng_state())  # on every rank: it is a collective
         if not self.is_main_process:
             return
         os.makedirs(self.model_dir, exist_ok=True)
-        self.save_last(epoch)
+        self.save_last(epoch, rngs)
         suffix = f"_{value:.4f}" if value is not None else ""
         weights = None
         if self.start_save != 0 and epoch >= max(self.start_save, 0):
@@ -122,11 +128,15 @@ class ModelCheckpoint(Callback):
             self.best_file = path
             self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, path)
 
-    def save_last(self, epoch: int) -> str:
+    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.save_freq_steps and (batch + 1) % self.save_freq_steps == 0:
+            self.trainer.save_checkpoint(os.path.join(self.model_dir, "last.pth"))
+
+    def save_last(self, epoch: int, rngs: Optional[list] = None) -> str:
         """Write the resumable ``last.pth``."""
         trainer = self.trainer
         if trainer is not None and hasattr(trainer, "state_dict"):
-            state = trainer.state_dict()
+            state = trainer.state_dict(rng=rngs)
         else:
             state = {"format": checkpoint.FORMAT, "epoch": epoch, "model": self._weights(),
                      "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}

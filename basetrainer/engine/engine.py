@@ -141,6 +141,14 @@ class Engine:
         self._guard = _NonFiniteGuard()
         self._steps_in_epoch = 0
         self._non_blocking = False
+        self.channels_last = False
+        self.seed = 0
+        self.batch_in_epoch = 0         # train steps done in the current epoch
+        self.epoch_complete = False     # the current epoch's train phase has finished
+        self._skip_batches = 0          # mid-epoch resume: batches of start_epoch already trained
+        self._pending_rng: Optional[dict] = None
+        self._compile_checked = True
+        self._preempted: Optional[int] = None
 
     # ----------------------------------------------------------------------------- callbacks
     def _active_callbacks(self) -> List[Any]:
@@ -193,6 +201,7 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         finished = False
+        previous = self._install_signal_handlers()
         try:
             self.dispatch("on_train_begin", logs)
             for epoch in range(self.start_epoch, self.num_epochs):
@@ -212,6 +221,7 @@ class Engine:
                     break
             finished = True
         finally:
+            self._restore_signal_handlers(previous)
             self._end(logs, finished)
         return self.history
 
@@ -236,20 +246,36 @@ class Engine:
             if hasattr(sampler, "set_epoch") and not any(sampler is s for s in done):
                 sampler.set_epoch(epoch)
                 done.append(sampler)
+        generator = getattr(loader, "generator", None)
+        if isinstance(generator, torch.Generator):  # worker seeds follow (seed, epoch, rank) too
+            generator.manual_seed((int(self.seed) * 1000003 + epoch * 7919 + comm.get_rank()) % 2 ** 63)
 
     def run_train_epoch(self, epoch: int, logs: dict) -> None:
         self.model.train()
         self._steps_in_epoch = len(self.train_loader)
+        skip, self._skip_batches = self._skip_batches, 0
+        self.epoch_complete = False
+        if skip == 0:
+            self._apply_pending_rng()
         for batch, data in enumerate(self.train_loader):
+            if batch < skip:  # mid-epoch resume: these batches were trained before the stop
+                if batch == skip - 1:  # generators as at the stop, before the next batch is made
+                    self._apply_pending_rng()
+                continue
             self.dispatch("on_batch_prepare", epoch, batch, logs)
             self.dispatch("on_batch_begin", batch, logs)
             data = self.to_device(data)
             outputs, losses = self.train_step(data, batch)
+            self.batch_in_epoch = batch + 1
             self.dispatch("on_train_summary", data, outputs, losses, epoch, batch, logs)
             self.dispatch("on_batch_end", batch, logs)
             if self.should_log(batch):
                 self._guard.check(epoch)
+            if self._preempted is not None and self._agree_preempt(batch):
+                self._guard.check(epoch)
+                self.on_preempt(epoch, batch)
         self._guard.check(epoch)
+        self.epoch_complete = True
 
     def train_step(self, data: Any, batch: int) -> Tuple[Any, Any]:
         """Forward, backward and (every ``accumulate_steps`` micro-batches) the optimizer step."""
@@ -260,7 +286,10 @@ class Engine:
         no_sync = (not update and isinstance(self.model, nn.parallel.DistributedDataParallel))
         with self.model.no_sync() if no_sync else contextlib.nullcontext():
             with self.autocast():
-                outputs, losses = self.run_step(data)
+                if self._compile_checked:
+                    outputs, losses = self.run_step(data)
+                else:
+                    outputs, losses = self._first_compiled_step(data)
             loss = total_loss(losses)
             self._guard.watch(batch, loss, losses)
             if end - start > 1:
@@ -331,6 +360,8 @@ class Engine:
     def to_device(self, data: Any) -> Any:
         """Move a batch (tensors in tuples/lists/dicts) to ``self.device``."""
         if isinstance(data, torch.Tensor):
+            if self.channels_last and data.dim() == 4 and data.is_floating_point():
+                return data.to(self.device, non_blocking=self._non_blocking, memory_format=torch.channels_last)
             return data.to(self.device, non_blocking=self._non_blocking)
         if isinstance(data, tuple) and hasattr(data, "_fields"):
             return type(data)(*(self.to_device(v) for v in data))
@@ -367,6 +398,76 @@ class Engine:
             raise RuntimeError(f"{type(self).__name__}.run(): neither train_loader nor test_loader is set")
         if self.num_epochs is None or int(self.num_epochs) <= 0:
             raise ValueError(f"num_epochs={self.num_epochs!r} must be a positive integer")
+
+    def _apply_pending_rng(self) -> None:
+        """Resume: restore the random generators exactly where the saved run was."""
+        if self._pending_rng is not None:
+            from basetrainer.engine.checkpoint import set_rng_state
+
+            set_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    def _first_compiled_step(self, data: Any) -> Tuple[Any, Any]:
+        try:
+            result = self.run_step(data)
+        except Exception as e:
+            raise RuntimeError(f"torch.compile failed on the first step ({type(e).__name__}: {e}); "
+                               f"set compile: false to train without it") from e
+        self._compile_checked = True
+        return result
+
+    # ----------------------------------------------------------------------------- preemption
+    def _install_signal_handlers(self) -> Dict[int, Any]:
+        """SIGTERM/SIGINT: finish the current step, save a resumable checkpoint, exit non-zero."""
+        import signal
+        import threading
+
+        self._preempted = None
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._preempted is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C stops at once
+            self._preempted = signum
+            logger.warning("received signal %d: stopping after this step and saving a checkpoint", signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):  # not allowed here (e.g. embedded interpreters)
+                pass
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: Dict[int, Any]) -> None:
+        import signal
+
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    def _agree_preempt(self, batch: int) -> bool:
+        """In one process: stop now. In DDP every rank must stop at the same step: they agree
+        every ``log_freq`` steps (a signal reaching any rank stops all)."""
+        if comm.get_world_size() == 1:
+            return True
+        return self.should_log(batch) and comm.any_true(self._preempted is not None)
+
+    def on_preempt(self, epoch: int, batch: int) -> None:
+        """Save a resumable checkpoint of this point (see :meth:`save_preempt_checkpoint`) and
+        exit with status 128 + signal number."""
+        path = self.save_preempt_checkpoint()
+        signum = self._preempted or 15
+        message = (f"training stopped by signal {signum} at epoch {epoch}, step {batch + 1}; "
+                   + (f"checkpoint saved to {path}; resume with resume: auto (or --resume {path})"
+                      if path else "no checkpoint was saved (no work_dir or ModelCheckpoint)"))
+        logger.error("%s", message)
+        raise SystemExit(message if comm.is_main_process() else 128 + signum)
+
+    def save_preempt_checkpoint(self) -> Optional[str]:
+        """Where a preempted run saves its state; the trainer writes ``last.pth``."""
+        return None
 
     def restore(self) -> None:
         """Hook called at the start of :meth:`run`; the trainer restores ``resume`` here."""

@@ -59,6 +59,8 @@ class EngineTrainer(Engine):
         self.amp = str(cfg.amp).lower()
         self.accumulate_steps = cfg.accumulate_steps
         self.clip_grad_norm = cfg.clip_grad_norm or None
+        self.channels_last = bool(cfg.channels_last)
+        self._compile_checked = not cfg.compile
         self.num_steps = 0      # train steps per epoch (len(train_loader))
         self.num_samples = 0    # training samples (the whole data set, all processes)
         self.is_main_process = comm.is_main_process()
@@ -178,6 +180,14 @@ class EngineTrainer(Engine):
         sync_bn = kwargs.pop("sync_bn", self.cfg.get("sync_bn", False))
         find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
         model = model.to(self.device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.cfg.get("compile"):
+            try:
+                model = torch.compile(model)
+            except Exception as e:  # compile errors mostly surface at the first step (engine)
+                raise RuntimeError(f"torch.compile failed ({type(e).__name__}: {e}); set compile: false "
+                                   f"to train without it") from e
         if comm.is_dist() and comm.get_world_size() > 1 and distributed is not False:
             if sync_bn:  # torch's SyncBatchNorm needs CUDA; GlobalBatchNorm also runs on gloo/CPU
                 model = (nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.device.type == "cuda"
@@ -190,24 +200,33 @@ class EngineTrainer(Engine):
         return model
 
     # ----------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        """Everything a resume needs, in weights-only types (see :mod:`basetrainer.engine.checkpoint`)."""
+    def state_dict(self, rng: Optional[List[dict]] = None) -> dict:
+        """Everything a resume needs, in weights-only types (see :mod:`basetrainer.engine.checkpoint`).
+
+        Args:
+            rng: every rank's RNG states (``comm.all_gather_object(checkpoint.rng_state())``,
+                gathered on all ranks); default this process's only.
+        """
         callbacks = {f"{i}:{type(c).__name__}": c.state_dict() for i, c in enumerate(self.callbacks)
                      if hasattr(c, "state_dict")}
         return {
             "format": checkpoint.FORMAT,
             "epoch": self.epoch,
+            "epoch_complete": bool(self.epoch_complete),
+            "batch": int(self.batch_in_epoch),
             "global_step": self.global_step,
             "model": self.unwrapped_model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "callbacks": callbacks,
-            "rng": checkpoint.rng_state(),
+            "rng": rng if rng is not None else [checkpoint.rng_state()],
+            "world_size": comm.get_world_size(),
             "config": setup_config._plain(dict(self.cfg)),
         }
 
     def load_state_dict(self, state: dict, source: str = "checkpoint") -> None:
-        """Restore :meth:`state_dict` (training continues at the epoch after the saved one)."""
+        """Restore :meth:`state_dict`: training continues after the saved epoch, or inside it
+        (skipping the batches already trained) for a checkpoint saved mid-epoch."""
         torch_tools.load_weights(self.model, state["model"], strict=True, source=source)
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
@@ -218,10 +237,38 @@ class EngineTrainer(Engine):
             key = f"{i}:{type(c).__name__}"
             if key in saved and hasattr(c, "load_state_dict"):
                 c.load_state_dict(saved[key])
-        if state.get("rng"):
-            checkpoint.set_rng_state(state["rng"])
-        self.start_epoch = int(state["epoch"]) + 1
+        rngs = state.get("rng") or []
+        if isinstance(rngs, dict):
+            rngs = [rngs]
+        if rngs:
+            self._pending_rng = rngs[self.rank] if len(rngs) == self.world_size else rngs[0]
+        epoch = int(state["epoch"])
+        if state.get("epoch_complete", True):
+            self.start_epoch, self._skip_batches = epoch + 1, 0
+        else:
+            self.start_epoch, self._skip_batches = epoch, int(state.get("batch", 0))
         self.global_step = int(state.get("global_step", 0))
+
+    def checkpoint_dir(self) -> str:
+        """The folder of ``last.pth``: the ModelCheckpoint's, else ``<work_dir>/model``."""
+        for c in self.callbacks:
+            folder = getattr(c, "model_dir", None)
+            if folder and hasattr(c, "save_last"):
+                return folder
+        return os.path.join(self.cfg.get("work_dir") or ".", "model")
+
+    def save_checkpoint(self, path: Optional[str] = None) -> str:
+        """Write a resumable checkpoint (called on every rank: it gathers every rank's RNG
+        state; only the main process writes). Returns the path."""
+        path = path or os.path.join(self.checkpoint_dir(), "last.pth")
+        rngs = comm.all_gather_object(checkpoint.rng_state())
+        if comm.is_main_process():
+            checkpoint.atomic_save(self.state_dict(rng=rngs), path)
+        comm.synchronize()
+        return path
+
+    def save_preempt_checkpoint(self) -> Optional[str]:
+        return self.save_checkpoint()
 
     def restore(self) -> None:
         """Apply ``cfg.resume`` ("" = no, "auto" = newest checkpoint under work_dir, or a path)."""

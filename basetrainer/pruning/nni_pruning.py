@@ -13,7 +13,7 @@ masks are left behind. Channels are ranked by ``prune_type``:
 
 Backends: ``"torch-pruning"`` (the default; ``pip install "basetrainer[prune]"``) and ``"nni"``
 (NNI 3.0 chooses the channels, torch-pruning removes them; ``pip install "basetrainer[nni]"``).
-Neither package is imported until :func:`model_pruning` runs.
+Neither package is imported until :func:`model_pruning` prunes.
 
 Example::
 
@@ -31,8 +31,14 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from basetrainer.pruning import options
+from basetrainer.engine import comm
+from basetrainer.pruning import options, structural
+from basetrainer.pruning.checkpoint import load_pruned, pruned_path, read_pruned, save_pruned
+from basetrainer.pruning.counter import profile_model
+from basetrainer.pruning.nni_masks import MaskImportance, import_nni_pruning, nni_channel_masks
 from basetrainer.pruning.options import BACKENDS, PRUNE_TYPES, InputSize  # noqa: F401 (re-export)
+from basetrainer.pruning.report import build_report, summary_line, write_report
+from basetrainer.pruning.shapes import layer_shapes
 
 __all__ = ["model_pruning", "PRUNE_TYPES", "BACKENDS"]
 
@@ -65,7 +71,8 @@ def model_pruning(model: nn.Module, input_size: InputSize, sparsity: float = 0.5
         sparsity: Fraction of output channels removed per pruned layer, in (0, 1); 0.5 leaves
             about a quarter of a convolution's weights.
         reuse: Do not prune: reshape ``model`` to the file in ``output_prune`` and load its
-            weights (e.g. on non-zero ranks, after rank 0 pruned with ``reuse=False``).
+            weights. In a distributed run with ``reuse=False``, rank 0 prunes and the other
+            ranks do this after a barrier, so every rank holds the same pruned model.
         output_prune: Folder for the pruned file and the report (created).
         prune_type: ``"l1"``, ``"l2"``, ``"fpgm"`` or ``"slim"``, in any case.
         backend: ``"auto"`` (= ``"torch-pruning"``), ``"torch-pruning"`` (or ``"torch_pruning"``,
@@ -106,13 +113,16 @@ def model_pruning(model: nn.Module, input_size: InputSize, sparsity: float = 0.5
                 "input_shape": list(shape), "model": type(model).__name__}
     if reuse:
         return _reuse(model, output_prune, settings, device)
+    if comm.get_world_size() > 1:  # DDP: rank 0 prunes, the other ranks load what it wrote
+        if comm.is_main_process():
+            model = _prune(model, output_prune, settings, ignored_layers, device, round_to)
+        comm.synchronize()
+        return model if comm.is_main_process() else _reuse(model, output_prune, settings, device)
     return _prune(model, output_prune, settings, ignored_layers, device, round_to)
 
 
 def _reuse(model: nn.Module, directory: str, settings: dict, device: Union[str, torch.device]
            ) -> nn.Module:
-    from basetrainer.pruning.checkpoint import load_pruned, pruned_path, read_pruned
-
     payload = read_pruned(directory)
     saved = payload.get("meta", {}).get("settings", {})
     differs = {k: (saved.get(k), settings[k]) for k in ("prune_type", "sparsity", "model")
@@ -129,16 +139,8 @@ def _reuse(model: nn.Module, directory: str, settings: dict, device: Union[str, 
 def _prune(model: nn.Module, directory: str, settings: dict,
            ignored_layers: Optional[Iterable[Union[str, nn.Module]]],
            device: Union[str, torch.device], round_to: Optional[int]) -> nn.Module:
-    from basetrainer.pruning import structural
-    from basetrainer.pruning.checkpoint import save_pruned
-    from basetrainer.pruning.counter import profile_model
-    from basetrainer.pruning.report import build_report, summary_line, write_report
-    from basetrainer.pruning.shapes import layer_shapes
-
     method, engine = settings["prune_type"], settings["backend"]
     if engine == "nni":
-        from basetrainer.pruning.nni_masks import import_nni_pruning
-
         import_nni_pruning()  # fail before any work when NNI is missing
     structural.import_torch_pruning()
 
@@ -154,8 +156,6 @@ def _prune(model: nn.Module, directory: str, settings: dict,
     outputs_before = structural.output_shapes(model, example)
 
     if engine == "nni":
-        from basetrainer.pruning.nni_masks import MaskImportance, nni_channel_masks
-
         masks = nni_channel_masks(model, settings["sparsity"], method, exclude=ignored)
         importance = MaskImportance(masks, model)
     else:

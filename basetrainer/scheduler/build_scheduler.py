@@ -111,11 +111,12 @@ class LRSchedulerCallback(Callback):
 
     def on_batch_prepare(self, epoch: int, batch: int, logs: Optional[dict] = None) -> None:
         step = epoch * self.steps_per_epoch() + batch // self._accumulate
-        if step != self.scheduler.last_epoch:
-            with warnings.catch_warnings():  # positioning, not a misplaced step() call
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.last_epoch = step - 1
-                self.scheduler.step()
+        # always re-position: the LR LambdaLR set at construction was computed before the
+        # trainer (and so accumulate_steps) was known, so step 0 must be recomputed too
+        with warnings.catch_warnings():  # positioning, not a misplaced step() call
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.last_epoch = step - 1
+            self.scheduler.step()
         if logs is not None:
             logs["lr"] = self.optimizer.param_groups[0]["lr"]
 

@@ -93,6 +93,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "resume": ("", "optpath", "'' (no), 'auto' (newest checkpoint in work_dir) or a checkpoint path"),
     "amp": ("none", "str", "mixed precision: none, fp16 (CUDA), bf16"),
     "accumulate_steps": (1, "int", "micro-batches per optimizer step"),
+    "channels_last": (False, "bool", "channels-last memory format for 4-D inputs and the model"),
+    "compile": (False, "bool", "wrap the model with torch.compile"),
     "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),
     "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm in DDP"),
     "find_unused_parameters": (False, "bool", "DDP option for models with unused parameters"),
@@ -140,6 +142,11 @@ def validate(cfg: Any) -> None:
         value = cfg[key]
         if kind == "ints" and _is_int(value):  # gpu_id: 0 means [0]
             cfg[key] = value = [value]
+        if kind == "number" and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                cfg[key] = value = float(value)
+            except ValueError:
+                pass
         ok, expected = _CHECKS[kind]
         if not ok(value):
             raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected} "

@@ -1,0 +1,290 @@
+"""ModelCheckpoint, atomic saves, safe loads and resume (callbacks/model_checkpoint.py,
+engine/checkpoint.py, utils/torch_tools.py, EngineTrainer.restore)."""
+import glob
+import io
+import os
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+from basetrainer.engine import checkpoint
+from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+from basetrainer.scheduler import build_scheduler
+from basetrainer.utils import torch_tools
+from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg
+
+
+class Scripted(Callback):
+    """Writes ``logs[key] = values[epoch]`` at each epoch end and snapshots the weights."""
+
+    def __init__(self, key: str, values: List[float]) -> None:
+        super().__init__()
+        self.key, self.values = key, values
+        self.weights: Dict[int, Dict[str, torch.Tensor]] = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs[self.key] = self.values[epoch]
+        self.weights[epoch] = {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
+
+
+def names(folder, pattern="*.pth"):
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(str(folder), pattern)))
+
+
+def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), k
+
+
+def run_scripted(tmp_path, key, values, indicator, n_test=16, **ckpt_kwargs):
+    script = Scripted(key, values)
+    ckpt = ModelCheckpoint(model_dir=str(tmp_path / "model"), indicator=indicator, **ckpt_kwargs)
+    t = ToyTrainer(toy_cfg(n_train=32, n_test=n_test, num_epochs=len(values)), callbacks=[script, ckpt])
+    t.run()
+    return t, script, ckpt
+
+
+# ----------------------------------------------------------------------------- best / per-epoch files
+def test_best_file_follows_max_accuracy(tmp_path):
+    t, script, ckpt = run_scripted(tmp_path, "test/Accuracy", [0.5, 0.7, 0.6, 0.8, 0.8], "Accuracy", start_save=0)
+    assert ckpt.mode == "max"
+    assert names(tmp_path / "model", "best_model_*.pth") == ["best_model_003_0.8000.pth"]
+    assert ckpt.best == 0.8 and ckpt.best_epoch == 3   # a tie does not replace the best
+    saved = torch.load(tmp_path / "model" / "best_model_003_0.8000.pth", weights_only=True)
+    assert_same_weights(saved, script.weights[3])
+    assert names(tmp_path / "model") == ["best_model_003_0.8000.pth", "last.pth"]
+
+
+def test_best_file_follows_min_loss_inferred(tmp_path):
+    t, script, ckpt = run_scripted(tmp_path, "test/loss", [1.0, 0.5, 0.7, 0.6], "loss", start_save=0)
+    assert ckpt.mode == "min"
+    assert names(tmp_path / "model", "best_model_*.pth") == ["best_model_001_0.5000.pth"]
+    saved = torch.load(tmp_path / "model" / "best_model_001_0.5000.pth", weights_only=True)
+    assert_same_weights(saved, script.weights[1])
+
+
+def test_nan_never_becomes_best(tmp_path):
+    _, _, ckpt = run_scripted(tmp_path, "test/Accuracy", [float("nan"), 0.3, float("nan")], "Accuracy",
+                              start_save=0)
+    assert names(tmp_path / "model", "best_model_*.pth") == ["best_model_001_0.3000.pth"]
+
+
+@pytest.mark.parametrize("start_save,keep,expected", [
+    (-1, 2, ["model_003_0.4000.pth", "model_004_0.5000.pth"]),
+    (None, 10, [f"model_{e:03d}_0.{e + 1}000.pth" for e in range(5)]),
+    (0, 10, []),
+    (2, 10, ["model_002_0.3000.pth", "model_003_0.4000.pth", "model_004_0.5000.pth"]),
+])
+def test_per_epoch_files(tmp_path, start_save, keep, expected):
+    run_scripted(tmp_path, "test/Accuracy", [0.1, 0.2, 0.3, 0.4, 0.5], "Accuracy", start_save=start_save, keep=keep)
+    assert names(tmp_path / "model", "model_*.pth") == expected
+    assert names(tmp_path / "model", "best_model_*.pth") == ["best_model_004_0.5000.pth"]
+
+
+def test_per_epoch_file_holds_that_epochs_weights(tmp_path):
+    _, script, _ = run_scripted(tmp_path, "test/Accuracy", [0.1, 0.2, 0.3], "Accuracy", start_save=1)
+    saved = torch_tools.load_state_dict(str(tmp_path / "model" / "model_001_0.2000.pth"))
+    assert_same_weights(saved, script.weights[1])
+
+
+def test_bad_start_save_and_missing_folder():
+    with pytest.raises(ValueError, match="start_save"):
+        ModelCheckpoint(model_dir="x", start_save=-2)
+    with pytest.raises(ValueError, match="model_dir"):
+        ModelCheckpoint(indicator="Accuracy")
+
+
+# ----------------------------------------------------------------------------- last.pth
+def test_last_pth_is_weights_only_and_complete(tmp_path):
+    ckpt = ModelCheckpoint(moder_dir=str(tmp_path / "model"), indicator="Accuracy", start_save=0)
+    assert ckpt.moder_dir == str(tmp_path / "model")
+    t = ToyTrainer(toy_cfg(n_train=48, n_test=16, num_epochs=2), callbacks=[AccuracyRecorder(), ckpt])
+    t.run()
+    state = torch.load(tmp_path / "model" / "last.pth", weights_only=True)
+    assert {"model", "optimizer", "epoch", "global_step", "rng", "config", "callbacks"} <= set(state)
+    assert state["epoch"] == 1
+    assert state["global_step"] == 2 * 3
+    assert_same_weights(state["model"], t.model.state_dict())
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert len(state["optimizer"]["state"]) == 4            # momentum buffers of 4 parameters
+    assert state["config"]["batch_size"] == 16 and state["config"]["num_epochs"] == 2
+    assert state["callbacks"]["1:ModelCheckpoint"] == {"best": ckpt.best, "best_epoch": ckpt.best_epoch}
+    assert len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}  # one per rank
+    assert state["epoch_complete"] is True and state["batch"] == 3
+    assert checkpoint.is_resumable(state)
+
+
+def test_state_dicts_are_unwrapped_from_data_parallel(tmp_path):
+    wrapped = nn.DataParallel(TinyNet(4))   # runs on the CPU with no device ids
+    ckpt = ModelCheckpoint(model_dir=str(tmp_path / "model"), indicator="Accuracy", start_save=-1)
+    t = ToyTrainer(toy_cfg(n_train=32, n_test=16, num_epochs=1), callbacks=[AccuracyRecorder(), ckpt],
+                   model=wrapped)
+    assert isinstance(t.model, nn.DataParallel)
+    t.run()
+    expected = t.model.module.state_dict()
+    for name in names(tmp_path / "model"):
+        state = torch.load(tmp_path / "model" / name, weights_only=True)
+        weights = state["model"] if name == "last.pth" else state
+        assert not any(k.startswith("module.") for k in weights), name
+        assert_same_weights(weights, expected)
+    assert len(names(tmp_path / "model")) == 3  # last, best, model_000
+
+
+def test_extract_state_dict_and_load_weights_strip_module_prefix(tmp_path):
+    torch.manual_seed(3)
+    src = TinyNet(4)
+    prefixed = nn.DataParallel(src).state_dict()
+    assert all(k.startswith("module.") for k in prefixed)
+    assert_same_weights(checkpoint.extract_state_dict(prefixed), src.state_dict())
+    assert_same_weights(checkpoint.extract_state_dict({"state_dict": prefixed}), src.state_dict())
+    torch.save(prefixed, tmp_path / "w.pth")
+    dst = nn.DataParallel(TinyNet(4))
+    torch_tools.load_weights(dst, str(tmp_path / "w.pth"))
+    assert_same_weights(dst.module.state_dict(), src.state_dict())
+    with pytest.raises(ValueError, match="do not fit.*missing keys"):
+        torch_tools.load_weights(TinyNet(4, hidden=8, bn=True), src.state_dict())
+
+
+# ----------------------------------------------------------------------------- atomic save / safe load
+def test_atomic_save_keeps_old_file_when_save_fails(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pth")
+    checkpoint.atomic_save({"w": torch.arange(4.0)}, path)
+    before = open(path, "rb").read()
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.atomic_save({"w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    assert open(path, "rb").read() == before
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(4.0))
+    assert os.listdir(tmp_path) == ["ckpt.pth"]  # no temp file left behind
+
+
+def test_load_file_errors_name_the_file(tmp_path):
+    missing = str(tmp_path / "nope.pth")
+    with pytest.raises(FileNotFoundError, match="nope.pth"):
+        checkpoint.load_file(missing)
+
+    empty = tmp_path / "empty.pth"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.pth.*empty"):
+        checkpoint.load_file(str(empty))
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.randn(64, 64)}, buf)
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(ValueError, match="truncated.pth.*truncated"):
+        checkpoint.load_file(str(truncated))
+
+    text = tmp_path / "notes.pth"
+    text.write_text("not a checkpoint at all\n")
+    with pytest.raises(ValueError, match="notes.pth"):
+        checkpoint.load_file(str(text))
+
+    malicious = tmp_path / "evil.pth"
+    torch.save({"w": torch.zeros(1), "payload": Scripted("k", [])}, malicious)
+    with pytest.raises(ValueError, match="evil.pth.*pickled"):
+        checkpoint.load_file(str(malicious))
+    with pytest.raises(ValueError, match="evil.pth"):
+        torch_tools.load_state_dict(str(malicious))
+
+
+def test_find_latest_skips_unloadable_and_weights_only_files(tmp_path):
+    ckpt = ModelCheckpoint(model_dir=str(tmp_path / "model"), indicator="Accuracy", start_save=-1)
+    ToyTrainer(toy_cfg(n_train=16, n_test=16, num_epochs=1), callbacks=[AccuracyRecorder(), ckpt]).run()
+    torn = tmp_path / "model" / "zz_newer.pth"
+    torn.write_bytes(b"PK\x03\x04torn")
+    os.utime(torn, (2e9, 2e9))
+    assert checkpoint.find_latest(str(tmp_path)) == str(tmp_path / "model" / "last.pth")
+
+
+# ----------------------------------------------------------------------------- resume / finetune
+class CrashAt(Callback):
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError(f"simulated crash at epoch {epoch}")
+
+
+def resume_trainer(work_dir, extra=(), **cfg):
+    config = toy_cfg(n_train=48, n_test=16, num_epochs=4, work_dir=str(work_dir), momentum=0.9, shuffle=True,
+                     seed=5, **cfg)
+    model_dir = os.path.join(str(work_dir), "model")
+    trainer = ToyTrainer(config, callbacks=[AccuracyRecorder(), *extra])
+    sched = build_scheduler.get_scheduler("multi-step", trainer.optimizer, lr_init=0.1, num_epochs=4,
+                                          num_steps=trainer.num_steps, milestones=[3])
+    trainer.callbacks += [sched, ModelCheckpoint(model_dir=model_dir, indicator="Accuracy", start_save=0)]
+    return trainer
+
+
+def test_resume_auto_continues_and_equals_uninterrupted_run(tmp_path):
+    full = resume_trainer(tmp_path / "full")
+    full_history = full.run()
+
+    first = resume_trainer(tmp_path / "work", extra=[CrashAt(2)])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.run()
+    assert torch.load(tmp_path / "work" / "model" / "last.pth", weights_only=True)["epoch"] == 1
+
+    rec = Recorder()
+    second = resume_trainer(tmp_path / "work", extra=[rec], resume="auto")
+    history = second.run()
+    assert [r["epoch"] for r in history.epochs] == [2, 3]
+    assert rec.events[1] == ("on_epoch_begin", 2)
+    assert second.global_step == full.global_step == 4 * 3
+    assert rec.lrs[-1] == pytest.approx(0.01)   # the schedule resumed at the right step
+    assert_same_weights(second.model.state_dict(), full.model.state_dict(), atol=1e-6)
+    assert history["test/Accuracy"] == full_history["test/Accuracy"][2:]
+
+
+def test_resume_from_weights_only_file_is_refused(tmp_path):
+    first = resume_trainer(tmp_path, )
+    first.cfg.num_epochs = first.num_epochs = 1
+    first.run()
+    best = glob.glob(str(tmp_path / "model" / "best_model_*.pth"))[0]
+    second = resume_trainer(tmp_path, resume=best)
+    with pytest.raises(ValueError, match="weights only"):
+        second.run()
+
+
+class FinetuneTrainer(ToyTrainer):
+    """Loads ``cfg.finetune`` into the model the way examples/example.py does."""
+
+    def build_model(self, cfg, **kwargs):
+        model = super().build_model(cfg, **kwargs)
+        if cfg.finetune:
+            torch_tools.load_weights(model, torch_tools.load_state_dict(cfg.finetune), source=cfg.finetune)
+        return model
+
+
+def test_finetune_loads_weights_only(tmp_path):
+    first = resume_trainer(tmp_path / "a")
+    first.run()
+    last = str(tmp_path / "a" / "model" / "last.pth")
+    rec = Recorder()
+    weights_at_start = {}
+
+    class Snapshot(Callback):
+        def on_train_begin(self, logs=None):
+            weights_at_start.update({k: v.clone() for k, v in self.trainer.model.state_dict().items()})
+            weights_at_start["momentum_buffers"] = torch.tensor(len(self.trainer.optimizer.state))
+
+    tuned = FinetuneTrainer(toy_cfg(n_train=48, num_epochs=1, finetune=last, seed=11), callbacks=[Snapshot(), rec])
+    tuned.run()
+    assert rec.events[1] == ("on_epoch_begin", 0)          # starts at epoch 0, not where `last` ended
+    assert int(weights_at_start.pop("momentum_buffers")) == 0   # a fresh optimizer
+    assert_same_weights(weights_at_start, first.model.state_dict())
+    assert tuned.global_step == 3

@@ -1,0 +1,104 @@
+"""LogHistory: TensorBoard events, history.csv, history.png, step lines, rank-0-only writes."""
+import csv
+import logging
+import os
+import re
+
+import pytest
+
+from basetrainer.callbacks.log_history import LogHistory
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+from basetrainer.scheduler import build_scheduler
+from conftest import ToyTrainer, toy_cfg
+
+EPOCHS = 3
+STEPS = 5  # 80 train samples / batch 16
+
+
+def run_logged(log_dir, log_freq=2, is_main_process=True, logger=None):
+    cfg = toy_cfg(n_train=80, n_test=24, num_epochs=EPOCHS, log_freq=1000)
+    history_cb = LogHistory(log_dir=str(log_dir), log_freq=log_freq, logger=logger,
+                            is_main_process=is_main_process)
+    t = ToyTrainer(cfg, callbacks=[AccuracyRecorder(), LossesRecorder()])
+    sched = build_scheduler.get_scheduler("multi-step", t.optimizer, lr_init=0.1, num_epochs=EPOCHS,
+                                          num_steps=t.num_steps, milestones=[1, 2])
+    t.callbacks += [sched, history_cb]
+    return t, t.run()
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("log")
+    t, history = run_logged(log_dir)
+    return log_dir, t, history
+
+
+def test_tensorboard_scalars_equal_history(logged):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir, t, history = logged
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/Accuracy", "test/loss", "test/Accuracy", "lr", "train_step/loss",
+            "train_step/Accuracy", "train_step/lr"} <= tags
+    for tag in ("train/loss", "train/Accuracy", "test/loss", "test/Accuracy", "lr"):
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == list(range(EPOCHS))
+        assert [e.value for e in events] == pytest.approx(history[tag], rel=1e-6, abs=1e-7)
+    assert [e.value for e in acc.Scalars("lr")] == pytest.approx([0.1, 0.01, 0.001])
+    # train_step scalars every log_freq=2 steps: x = epoch * 5 + step, steps 2 and 4 of each epoch
+    assert [e.step for e in acc.Scalars("train_step/loss")] == [e * STEPS + s for e in range(EPOCHS) for s in (2, 4)]
+    assert t.log_freq == 2  # LogHistory sets how often the recorders publish running figures
+
+
+def test_history_csv_equals_history(logged):
+    log_dir, _, history = logged
+    with open(os.path.join(str(log_dir), "history.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == EPOCHS
+    assert set(rows[0]) == {"epoch", "lr", "train/loss", "train/Accuracy", "test/loss", "test/Accuracy",
+                            "epoch_time"}
+    for row, expected in zip(rows, history.epochs):
+        assert int(row["epoch"]) == expected["epoch"]
+        for key, value in expected.items():
+            assert float(row[key]) == value, key   # written with repr: exact round trip
+        assert float(row["epoch_time"]) > 0
+
+
+def test_history_png_written(logged):
+    log_dir, _, _ = logged
+    path = os.path.join(str(log_dir), "history.png")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 5000
+
+
+def test_nothing_written_when_not_main_process(tmp_path):
+    log_dir = tmp_path / "log"
+    _, history = run_logged(log_dir, is_main_process=False)
+    assert len(history) == EPOCHS
+    assert not log_dir.exists() or os.listdir(log_dir) == []
+
+
+def test_step_lines_every_log_freq(tmp_path, caplog):
+    logger = logging.getLogger("test_log_history.lines")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        run_logged(tmp_path / "log", log_freq=2, logger=logger)
+    step_lines = [r.getMessage() for r in caplog.records if r.name == logger.name and " step " in r.getMessage()]
+    assert len(step_lines) == EPOCHS * 2   # steps 2 and 4 of 5, each epoch
+    for line in step_lines:
+        assert "samples/s" in line and "ETA" in line
+        assert re.search(r"ETA \d\d:\d\d:\d\d", line)
+        assert "loss: " in line and "lr: " in line
+    assert [re.search(r"step (\d+)/5", line).group(1) for line in step_lines] == ["2", "4"] * EPOCHS
+    assert "epoch 0/3 step 2/5" in step_lines[0]
+    done = [r.getMessage() for r in caplog.records if r.name == logger.name and "done" in r.getMessage()]
+    assert len(done) == EPOCHS and "test/Accuracy" in done[-1]
+
+
+def test_bad_log_freq():
+    with pytest.raises(ValueError, match="log_freq"):
+        LogHistory(log_dir="x", log_freq=0)

@@ -1,0 +1,73 @@
+"""An exponential moving average of the weights, used for evaluation."""
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.engine.engine import unwrap_model
+
+
+class ModelEMA(Callback):
+    """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every optimizer step (all float
+    tensors of the state_dict, BatchNorm statistics included). With ``evaluate=True`` the test
+    phase runs on the averaged weights (they are swapped in at ``on_test_begin`` and back at
+    ``on_test_end``). The average is part of the checkpoint (``state_dict``) and is resumed.
+
+    Put it before ModelCheckpoint if the checkpoint should see the EMA figures.
+
+    Args:
+        decay: the averaging factor per optimizer step, in [0, 1).
+        evaluate: evaluate with the averaged weights.
+    """
+
+    def __init__(self, decay: float = 0.999, evaluate: bool = True) -> None:
+        super().__init__()
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay={decay!r} must be in [0, 1)")
+        self.decay = decay
+        self.evaluate = evaluate
+        self.ema: Optional[Dict[str, torch.Tensor]] = None
+        self._live: List[torch.Tensor] = []
+        self._avg: List[torch.Tensor] = []
+        self._backup: Optional[Dict[str, torch.Tensor]] = None
+        self._step = -1
+
+    def _model(self) -> torch.nn.Module:
+        return unwrap_model(self.trainer.model)
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        state = self._model().state_dict()
+        if self.ema is None:
+            self.ema = {k: v.detach().clone() for k, v in state.items()}
+        else:  # resumed: move to the model's device
+            self.ema = {k: self.ema[k].to(v.device) for k, v in state.items()}
+        keys = [k for k, v in state.items() if v.is_floating_point()]
+        self._live = [state[k] for k in keys]
+        self._avg = [self.ema[k] for k in keys]
+        self._step = self.trainer.global_step
+
+    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.trainer.global_step == self._step:  # accumulating: no optimizer step yet
+            return
+        self._step = self.trainer.global_step
+        torch._foreach_lerp_(self._avg, self._live, 1.0 - self.decay)
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        if self.evaluate and self.ema is not None:
+            model = self._model()
+            self._backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(self.ema)
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        if self._backup is not None:
+            self._model().load_state_dict(self._backup)
+            self._backup = None
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        self.on_test_end(logs)  # never leave the averaged weights in the model by accident
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"decay": self.decay, "ema": self.ema or {}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.ema = dict(state["ema"]) if state.get("ema") else None

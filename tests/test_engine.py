@@ -420,3 +420,31 @@ def test_host_syncs_only_at_log_points(monkeypatch):
     assert [n for b, n in per_step if b not in log_points] == [0] * (20 - 6)
     at_log = [n for b, n in per_step if b in log_points]
     assert len(set(at_log)) == 1 and at_log[0] > 0  # the same reads at every log point
+
+
+def test_bf16_on_cpu_trains_the_digits_to_the_accuracy_band():
+    """amp='bf16' on the CPU, on the bundled digits (sklearn), through the whole loop."""
+    sklearn = pytest.importorskip("sklearn", reason="scikit-learn (extra 'dev') holds the digits data")
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from torch.utils.data import TensorDataset
+
+    from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.2, random_state=0, stratify=y)
+
+    class DigitsTrainer(ToyTrainer):
+        def build_train_loader(self, cfg, **kwargs):
+            ds = TensorDataset(torch.tensor(xtr, dtype=torch.float32), torch.tensor(ytr))
+            return self.build_dataloader(ds, cfg.batch_size, 0, phase="train")
+
+        def build_test_loader(self, cfg, **kwargs):
+            ds = TensorDataset(torch.tensor(xte, dtype=torch.float32), torch.tensor(yte))
+            return self.build_dataloader(ds, cfg.batch_size, 0, phase="test", shuffle=False)
+
+    acc = AccuracyRecorder()
+    t = DigitsTrainer(toy_cfg(num_epochs=15, batch_size=32, lr=0.1, momentum=0.9, amp="bf16", num_classes=10),
+                      callbacks=[acc], model=TinyNet(10, in_features=64, hidden=128))
+    history = t.run()
+    assert history.last["test/Accuracy"] >= 0.95

@@ -261,3 +261,41 @@ def test_ddp_prunes_once_on_rank0_and_every_rank_holds_it(tmp_path):
     _assert_same_weights(results[0]["state"], results[1]["state"], tol=0)
     pruned = sum(v.numel() for k, v in results[0]["state"].items() if "running" not in k and "num_batches" not in k)
     assert pruned <= 0.35 * results[0]["dense"]
+
+
+PREEMPT_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ToyTrainer, toy_cfg
+    from basetrainer.callbacks.callbacks import Callback
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+    from basetrainer.engine.launch import launch
+
+    class SignalRank1(Callback):
+        def on_batch_end(self, batch, logs=None):
+            if self.trainer.rank == 1 and (self.trainer.epoch, batch) == (1, 0):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def main(cfg):
+        ToyTrainer(cfg, callbacks=[ModelCheckpoint(model_dir=os.path.join(cfg.work_dir, "model")),
+                                   SignalRank1()]).run()
+
+    if __name__ == "__main__":
+        cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=128, distributed=True, work_dir=sys.argv[1],
+                      gpu_id=[0, 1], log_freq=2)
+        launch(main, num_gpus_per_machine=2, dist_url="auto", distributed=True, args=(cfg,), timeout=60)
+""")
+
+
+def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
+    from basetrainer.engine import checkpoint
+
+    script = tmp_path / "preempt.py"
+    script.write_text(PREEMPT_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    start = time.monotonic()
+    proc = subprocess.run([PY, str(script), str(tmp_path / "w")], capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    state = checkpoint.load_file(str(tmp_path / "w" / "model" / "last.pth"))
+    # the signal came after step 1 of epoch 1 on rank 1; the ranks agree at the next log point (step 2)
+    assert (state["epoch"], state["epoch_complete"], state["batch"]) == (1, False, 2)
+    assert len(state["rng"]) == 2  # every rank's generators

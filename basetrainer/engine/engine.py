@@ -181,7 +181,8 @@ class Engine:
             try:
                 handler(*args)
             except Exception as e:
-                e.add_note(f"raised in callback {name}.{event}")
+                if hasattr(e, "add_note"):  # Python 3.11+
+                    e.add_note(f"raised in callback {name}.{event}")
                 raise
 
     # ----------------------------------------------------------------------------- the loop
@@ -271,7 +272,7 @@ class Engine:
             self.dispatch("on_batch_end", batch, logs)
             if self.should_log(batch):
                 self._guard.check(epoch)
-            if self._preempted is not None and self._agree_preempt(batch):
+            if self._stop_requested(batch):
                 self._guard.check(epoch)
                 self.on_preempt(epoch, batch)
         self._guard.check(epoch)
@@ -447,11 +448,12 @@ class Engine:
         for sig, old in previous.items():
             signal.signal(sig, old)
 
-    def _agree_preempt(self, batch: int) -> bool:
-        """In one process: stop now. In DDP every rank must stop at the same step: they agree
-        every ``log_freq`` steps (a signal reaching any rank stops all)."""
+    def _stop_requested(self, batch: int) -> bool:
+        """A signal asked to stop. One process: stop after this step. DDP: every rank must stop
+        at the same step, so all ranks compare flags every ``log_freq`` steps (a signal that
+        reached any rank stops them all)."""
         if comm.get_world_size() == 1:
-            return True
+            return self._preempted is not None
         return self.should_log(batch) and comm.any_true(self._preempted is not None)
 
     def on_preempt(self, epoch: int, batch: int) -> None:

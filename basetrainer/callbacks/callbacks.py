@@ -34,9 +34,9 @@ class Callback:
 
     Example::
 
-        class PrintLR(Callback):
+        class LogLR(Callback):
             def on_epoch_end(self, epoch, logs=None):
-                print(epoch, logs["lr"], logs.get("test/Accuracy"))
+                logging.getLogger(__name__).info("%d %s %s", epoch, logs["lr"], logs.get("test/Accuracy"))
     """
 
     trainer: Any = None

@@ -111,26 +111,36 @@ class ModelCheckpoint(Callback):
         os.makedirs(self.model_dir, exist_ok=True)
         self.save_last(epoch, rngs)
         suffix = f"_{value:.4f}" if value is not None else ""
-        weights = None
+        epoch_file = None
         if self.start_save != 0 and epoch >= max(self.start_save, 0):
-            weights = self._weights()
-            path = os.path.join(self.model_dir, f"model_{epoch:03d}{suffix}.pth")
-            checkpoint.atomic_save(weights, path)
-            if self.start_save == -1:
-                self._prune_epoch_files()
+            epoch_file = os.path.join(self.model_dir, f"model_{epoch:03d}{suffix}.pth")
+            checkpoint.atomic_save(self._weights(), epoch_file)
         if improved:
-            weights = weights if weights is not None else self._weights()
             path = os.path.join(self.model_dir, f"best_model_{epoch:03d}{suffix}.pth")
-            checkpoint.atomic_save(weights, path)
+            self._write_best(path, epoch_file)
             for old in glob.glob(os.path.join(self.model_dir, "best_model_*.pth")):
                 if os.path.abspath(old) != os.path.abspath(path):
                     os.remove(old)
             self.best_file = path
             self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, path)
+        if epoch_file is not None and self.start_save == -1:
+            self._prune_epoch_files()
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.save_freq_steps and (batch + 1) % self.save_freq_steps == 0:
             self.trainer.save_checkpoint(os.path.join(self.model_dir, "last.pth"))
+
+    def _write_best(self, path: str, epoch_file: Optional[str]) -> None:
+        """The best weights: a hard link to this epoch's file when there is one (no second
+        write of the same bytes), else a new file."""
+        if os.path.exists(path):
+            os.remove(path)
+        try:
+            if epoch_file is None:
+                raise OSError("no per-epoch file to link")
+            os.link(epoch_file, path)
+        except OSError:
+            checkpoint.atomic_save(self._weights(), path)
 
     def save_last(self, epoch: int, rngs: Optional[list] = None) -> str:
         """Write the resumable ``last.pth``."""

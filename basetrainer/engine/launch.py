@@ -108,6 +108,8 @@ def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: s
 def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, nprocs: int,
             machine_rank: int, backend: str, dist_url: str, timeout: datetime.timedelta) -> None:
     rank = machine_rank * nprocs + local_rank
+    if backend == "gloo" and not torch.cuda.is_available():  # CPU training: share the cores, don't oversubscribe
+        torch.set_num_threads(max(1, (os.cpu_count() or nprocs) // nprocs))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": str(machine_rank)})
     _run_in_group(main_func, args, backend, dist_url, world_size, rank, local_rank, timeout)

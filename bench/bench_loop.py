@@ -1,0 +1,290 @@
+"""Benchmark basetrainer's training loop against a hand-written PyTorch loop.
+
+    .venv/bin/python bench/bench_loop.py --out docs        # everything; writes docs/benchmarks.{md,png}
+    .venv/bin/python bench/bench_loop.py --quick           # a short run of everything
+    .venv/bin/python bench/bench_loop.py --cases tiny ddp  # some cases only
+
+Cases (``--cases``; ``tiny`` and ``resnet18`` name both of their settings):
+
+- ``tiny_off`` / ``tiny_on``: a tiny CNN on 3x8x8 inputs, batch 64, where the loop's own cost
+  shows; basetrainer without callbacks, and with the default set (recorders, LogHistory with
+  TensorBoard, ModelCheckpoint every epoch, an LR schedule).
+- ``resnet18_off`` / ``resnet18_on``: the model zoo's resnet18 at 32x32, a few hundred samples.
+- ``ddp``: the tiny CNN in 2 gloo processes (one thread each), the global batch split over them.
+- ``imports``: what ``import basetrainer`` (and the trainer / callback modules) adds to
+  ``import torch, torchvision``.
+- ``data``: images/s of examples/example.py's train loader with 0 and 2 workers.
+- ``costs``: the time each callback spends per event, in one instrumented run per setting.
+- ``whatif``: the cost of the hot-path callback handlers as is and with cheaper versions
+  monkeypatched in (bench/loop_patches.py; the library is not edited).
+- ``whatif_epochs`` (opt-in, not part of ``all``): whole-epoch times of basetrainer with each
+  set of those changes against the hand loop (a few minutes).
+
+The loop comparisons also check that basetrainer's per-epoch loss and final weights equal the
+hand-written loop's. The method is described in docs/benchmarks.md and bench/loop_contenders.py.
+"""
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)
+
+import torch  # noqa: E402
+
+import loop_contenders as lc  # noqa: E402
+import loop_patches as patches  # noqa: E402
+import loop_probes as probes  # noqa: E402
+import loop_report as report  # noqa: E402
+
+CANONICAL = ".venv/bin/python bench/bench_loop.py --out docs"
+LOOP_CASES = ("tiny_off", "tiny_on", "resnet18_off", "resnet18_on", "ddp")
+OTHER_CASES = ("imports", "data", "costs", "whatif")
+OPT_IN_CASES = ("whatif_epochs",)  # not in "all": a few minutes more
+GROUPS = {"tiny": ("tiny_off", "tiny_on"), "resnet18": ("resnet18_off", "resnet18_on"), "resnet": ("resnet18_off",
+          "resnet18_on"), "all": LOOP_CASES + OTHER_CASES}
+TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on": 1.02, "ddp": 1.05}
+
+
+def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
+    """Each loop case: (spec, timed repeats, epochs of the untimed warm-up/equality pair)."""
+    tiny_n = 64 * (30 if quick else 100)
+    res_n = 64 if quick else 256
+    res_epochs = 1 if quick else 2
+    tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (9, 5, 15)  # DDP runs vary most
+    return {
+        "tiny_off": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False), tiny_reps, 2),
+        "tiny_on": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=True), tiny_reps, 2),
+        "resnet18_off": (lc.Spec("resnet18", res_n, 32, res_epochs, callbacks=False), res_reps, 1),
+        "resnet18_on": (lc.Spec("resnet18", res_n, 32, res_epochs, callbacks=True), res_reps, 1),
+        "ddp": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False, world=2), ddp_reps, 2),
+    }
+
+
+def steps_per_epoch(spec: lc.Spec) -> int:
+    """Optimizer steps per epoch of one process (DistributedSampler pads to equal shards)."""
+    per_rank = math.ceil(spec.samples / spec.world)
+    return math.ceil(per_rank / (spec.batch_size // spec.world))
+
+
+def describe(spec: lc.Spec, repeats: int) -> str:
+    """One line saying what a loop case trains."""
+    return (f"{spec.model}, {spec.samples} samples/epoch, global batch {spec.batch_size}, "
+            f"{steps_per_epoch(spec)} steps/epoch, {spec.epochs} epoch(s) per run, {repeats} timed pairs, "
+            f"callbacks {'on' if spec.callbacks else 'off'}, {spec.world} process(es)")
+
+
+def run_ddp(spec: lc.Spec, repeats: int, warmup_epochs: int) -> Dict[str, Any]:
+    """Both contenders in one 2-process gloo group started by basetrainer's ``launch``."""
+    from basetrainer.engine.launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="bench_ddp_") as tmp:
+        out_file = os.path.join(tmp, "ddp.json")
+        try:
+            launch(lc.ddp_entry, num_gpus_per_machine=spec.world, dist_url="auto", distributed=True,
+                   args=(spec, repeats, warmup_epochs, out_file), backend="gloo", timeout=600)
+        except Exception as e:  # a rank that dies in teardown, after the figures were written
+            if not os.path.isfile(out_file):
+                raise
+            print(f"    warning: a DDP process ended abnormally after writing its figures ({e})", flush=True)
+        with open(out_file, encoding="utf-8") as f:
+            return json.load(f)
+
+
+def run_loop_case(name: str, spec: lc.Spec, repeats: int, warmup_epochs: int,
+                  say: Callable[[str], None]) -> Dict[str, Any]:
+    """Run one loop comparison (in this process, or in 2 DDP processes) and add its metadata."""
+    if spec.world > 1:
+        result = run_ddp(spec, repeats, warmup_epochs)
+    else:
+        result = lc.compare(spec, repeats, warmup_epochs, "default" if spec.callbacks else "none", progress=say)
+    result.update({"steps": steps_per_epoch(spec), "samples": spec.samples, "target": TARGETS[name],
+                   "world": spec.world, "load": report.load_average()})
+    return result
+
+
+def run_costs(specs: Dict[str, Tuple[lc.Spec, int, int]], say: Callable[[str], None]) -> Dict[str, Any]:
+    """One instrumented run of each callbacks-on case."""
+    out = {}
+    for name in ("tiny_on", "resnet18_on"):
+        spec = specs[name][0]
+        dataset, state = lc.make_dataset(spec), lc.initial_state(spec)
+        handlers, result = probes.callback_costs(
+            lambda patch: lc.run_basetrainer(spec, dataset, state, spec.epochs, "default", patch))
+        out[name] = {"handlers": handlers, "epochs_s": sum(result.epoch_s)}
+        top = next(iter(handlers.items()))
+        say(f"    {name}: largest {top[0]} {top[1]['total_s'] * 1e3:.1f} ms over {sum(result.epoch_s):.2f} s of epochs")
+    return out
+
+
+def run_whatif(specs: Dict[str, Tuple[lc.Spec, int, int]], quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
+    """Handler costs as is and with the suggested changes monkeypatched in.
+
+    The resnet18 run only needs ModelCheckpoint's epoch end: one step per epoch, 3 epochs.
+    """
+    res = lc.Spec("resnet18", 32, 32, 2 if quick else 3, callbacks=True)
+    out = {}
+    for name, spec, chosen in (("tiny_on", specs["tiny_on"][0], ("accuracy", "lr", "loss", "durable")),
+                               ("resnet18_on", res, ("durable",))):
+        say(f"  {name}: {'+'.join(chosen)}")
+        out[name] = patches.what_if(spec, chosen, 2 if quick else 4, say)
+    return out
+
+
+EPOCH_VARIANTS = {"as is": (), "per-step changes": ("accuracy", "lr", "loss"), "durable last.pth only": ("durable",),
+                  "all but async": ("accuracy", "lr", "loss", "durable"), "async checkpoint writes": ("async",)}
+
+
+def run_epoch_whatif(specs: Dict[str, Tuple[lc.Spec, int, int]], quick: bool,
+                     say: Callable[[str], None]) -> Dict[str, Any]:
+    """Whole-epoch alternation of basetrainer with each set of suggested changes and the hand loop."""
+    out = {}
+    for name, repeats in (("tiny_on", 3 if quick else 7), ("resnet18_on", 1 if quick else 3)):
+        say(f"  {name}")
+        out[name] = patches.epoch_what_if(specs[name][0], EPOCH_VARIANTS, repeats, say)
+    return out
+
+
+SECTIONS = ("imports", "data", "costs", "whatif", "whatif_epochs")
+
+
+def merge_results(paths: List[str]) -> Dict[str, Any]:
+    """The figures of several ``--json`` files: the first, plus the sections of the others.
+
+    The commands of the later files are kept in ``extra_commands`` (with what they gave).
+    """
+    results: Dict[str, Any] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            part = json.load(f)
+        if "data" in part:
+            part["data"] = {int(k): v for k, v in part["data"].items()}
+        if not results:
+            results = part
+            continue
+        given = [k for k in SECTIONS if k in part] + list(part.get("cases", {}))
+        for key in SECTIONS:
+            if key in part:
+                results[key] = part[key]
+        results.setdefault("cases", {}).update(part.get("cases", {}))
+        results.setdefault("specs", {}).update(part.get("specs", {}))
+        results.setdefault("extra_commands", []).append(
+            f"`{part.get('command', '?')}` ({', '.join(given)}; {part['machine']['date']}, "
+            f"load {part['machine']['load_start']:.1f})")
+    return results
+
+
+def selected_cases(names: Optional[List[str]]) -> List[str]:
+    """The cases named on the command line (groups expanded), in the canonical order."""
+    chosen: List[str] = []
+    for name in names or list(GROUPS["all"]):
+        for case in GROUPS.get(name, (name,)):
+            if case not in LOOP_CASES + OTHER_CASES + OPT_IN_CASES:
+                raise SystemExit(f"unknown case {name!r}; choose from "
+                                 f"{sorted(set(LOOP_CASES + OTHER_CASES + OPT_IN_CASES) | set(GROUPS))}")
+            if case not in chosen:
+                chosen.append(case)
+    return [c for c in LOOP_CASES + OTHER_CASES + OPT_IN_CASES if c in chosen]
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[1:]))
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (about two minutes)")
+    parser.add_argument("--cases", nargs="+", default=None, metavar="CASE",
+                        help=f"cases to run (default all): {', '.join(LOOP_CASES + OTHER_CASES)}, "
+                             f"the groups tiny, resnet18, all, or the opt-in {', '.join(OPT_IN_CASES)}")
+    parser.add_argument("--out", default=None, help="folder for benchmarks.md and benchmarks.png (e.g. docs)")
+    parser.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
+    parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: print and write (--out) the figures of earlier --json files (the "
+                             "sections of later files are added to, or replace, those of the first)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in single-process cases (default 1: stable on a shared 2-core "
+                             "machine; DDP processes always use 1)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Run the chosen cases, print the tables and write the docs.
+
+    Args:
+        argv: the command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The raw figures (what ``--json`` writes).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    args = get_parser().parse_args(argv)
+    cases = selected_cases(args.cases)
+    torch.set_num_threads(args.threads)
+    logging.getLogger("basetrainer").setLevel(logging.ERROR)  # e.g. "no CUDA device" from launch
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    if args.render:
+        results = merge_results(args.render)
+        finish(results, args, results.get("command", CANONICAL), say)
+        return results
+    t_start = time.perf_counter()
+    specs = plan(args.quick)
+    results: Dict[str, Any] = {"machine": report.machine_info(args.threads), "cases": {}, "specs": {},
+                               "quick": args.quick}
+    say(f"bench_loop: {', '.join(cases)} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
+        f"torch {results['machine']['torch']}, load {results['machine']['load_start']:.1f}")
+    for name in cases:
+        t0 = time.perf_counter()
+        say(f"[{name}]")
+        if name in LOOP_CASES:
+            spec, repeats, warmup = specs[name]
+            results["specs"][name] = describe(spec, repeats)
+            results["cases"][name] = run_loop_case(name, spec, repeats, warmup, say)
+        elif name == "imports":
+            results["imports"] = probes.import_times(2 if args.quick else 7, say)
+        elif name == "data":
+            results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 3, say=say)
+        elif name == "costs":
+            results["costs"] = run_costs(specs, say)
+        elif name == "whatif":
+            results["whatif"] = run_whatif(specs, args.quick, say)
+        elif name == "whatif_epochs":
+            results["whatif_epochs"] = run_epoch_whatif(specs, args.quick, say)
+        say(f"    ({time.perf_counter() - t0:.0f} s)")
+    results["total_s"] = time.perf_counter() - t_start
+    results["load_end"] = report.load_average()
+    shown = [a for i, a in enumerate(argv) if a != "--json" and (i == 0 or argv[i - 1] != "--json")]
+    results["command"] = (".venv/bin/python bench/bench_loop.py " + " ".join(shown)).strip()  # --json: no figure
+    finish(results, args, results["command"], say)
+    return results
+
+
+def finish(results: Dict[str, Any], args: argparse.Namespace, command: str, say: Callable[[str], None]) -> None:
+    """Print the tables; write the JSON (--json) and docs (--out)."""
+    say("")
+    say(report.text_report(results))
+    say(f"\ntotal {results['total_s']:.0f} s; load average {results['machine']['load_start']:.1f} at start, "
+        f"{results['load_end']:.1f} at end")
+    if args.json and not args.render:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1, default=str)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        report.write_markdown(os.path.join(args.out, "benchmarks.md"), results, command, CANONICAL)
+        report.write_png(os.path.join(args.out, "benchmarks.png"), results)
+        say(f"wrote {os.path.join(args.out, 'benchmarks.md')} and {os.path.join(args.out, 'benchmarks.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Side probes of ``bench_loop.py``: import cost, the example's data pipeline, callback costs.
+
+- :func:`import_times`: the time ``import basetrainer`` (and the trainer and callback modules)
+  adds to ``import torch, torchvision``, in fresh interpreters.
+- :func:`loader_throughput`: images/s of one pass of examples/example.py's training loader
+  (its transforms on the digits ImageFolder) with 0 and 2 worker processes.
+- :func:`callback_costs`: the wall time each callback spends in each event during a run.
+"""
+import collections
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BASE_IMPORT = "import torch, torchvision"
+IMPORT_VARIANTS: Dict[str, str] = {
+    "import basetrainer": "import basetrainer",
+    "from basetrainer.engine import trainer": "from basetrainer.engine import trainer",
+    "callback modules": ("from basetrainer.callbacks import log_history, losses_recorder, model_checkpoint; "
+                         "from basetrainer.metric import accuracy_recorder; "
+                         "from basetrainer.scheduler import build_scheduler"),
+}
+_TIMED = ("{base}; import time, sys; t = time.perf_counter(); {extra}; "
+          "sys.stdout.write(repr(time.perf_counter() - t))")
+
+
+def _run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (in the repository root); return its stdout."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def _timed_run(code: str) -> Tuple[float, str]:
+    """Wall time of a fresh interpreter running ``code``, and its stdout."""
+    t0 = time.perf_counter()
+    out = _run_python(code)
+    return time.perf_counter() - t0, out
+
+
+def import_times(repeats: int, say: Callable[[str], None] = lambda _m: None) -> Dict[str, Dict[str, float]]:
+    """Extra import time of each variant over ``import torch, torchvision``.
+
+    Each round starts one fresh interpreter for the baseline and one per variant, in turn. Two
+    figures per variant: ``wall_s``, the median over rounds of (the variant's process wall time
+    - the same round's baseline process wall time), and ``inproc_s``, the median time of the
+    variant's import statement alone, timed inside its interpreter after torch and torchvision
+    are imported (immune to the start-up noise of a busy machine).
+
+    Returns:
+        ``{variant: {"wall_s", "wall_lo_s", "wall_hi_s", "inproc_s"}}`` (lo/hi: the range of the
+        per-round differences) plus ``{"baseline": {"wall_s": ...}}``.
+    """
+    walls: Dict[str, List[float]] = collections.defaultdict(list)
+    inproc: Dict[str, List[float]] = collections.defaultdict(list)
+    _run_python(BASE_IMPORT)  # the page cache holds torch from now on, for every variant alike
+    for r in range(repeats):
+        base, _ = _timed_run(BASE_IMPORT)
+        walls["baseline"].append(base)
+        for name, extra in IMPORT_VARIANTS.items():
+            wall, out = _timed_run(_TIMED.format(base=BASE_IMPORT, extra=extra))
+            walls[name].append(wall - base)
+            inproc[name].append(float(out))
+        say(f"    round {r + 1}/{repeats}: torch+torchvision {base:.3f} s; "
+            + ", ".join(f"{n} +{inproc[n][-1] * 1e3:.1f} ms" for n in IMPORT_VARIANTS))
+    out = {"baseline": {"wall_s": statistics.median(walls["baseline"])}}
+    for name in IMPORT_VARIANTS:
+        out[name] = {"wall_s": statistics.median(walls[name]), "wall_lo_s": min(walls[name]),
+                     "wall_hi_s": max(walls[name]), "inproc_s": statistics.median(inproc[name])}
+    return out
+
+
+def _example_dataset(input_size: List[int]) -> Any:
+    """The digits train ImageFolder with examples/example.py's training transforms."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import example  # noqa: E402  (examples/ is not a package)
+    from prepare_data import DEFAULT_ROOT, prepare_digits  # noqa: E402
+    from basetrainer.dataloader.image_folder import image_folder
+    from basetrainer.utils.setup_config import Config
+
+    root = prepare_digits(DEFAULT_ROOT)
+    cfg = Config(input_size=list(input_size))
+    maker = object.__new__(example.ClassificationTrainer)  # only its transforms() method is used
+    return image_folder(os.path.join(root, "train"), transform=maker.transforms(cfg, train=True))
+
+
+def loader_throughput(workers: List[int], repeats: int, batch_size: int = 32, input_size: Optional[List[int]] = None,
+                      say: Callable[[str], None] = lambda _m: None) -> Dict[int, Dict[str, float]]:
+    """Images/s of the example's train loader (built as its build_train_loader builds it).
+
+    For each worker count, alternately, a fresh loader makes two passes: the first includes
+    starting the workers, the second reuses them (persistent workers).
+
+    Returns:
+        ``{num_workers: {"first": images/s, "second": images/s, "images": n}}`` (medians).
+    """
+    from basetrainer.dataloader.loader import build_dataloader
+
+    dataset = _example_dataset(input_size or [32, 32])
+    rates: Dict[int, Dict[str, List[float]]] = {w: {"first": [], "second": []} for w in workers}
+    count = 0
+    for r in range(repeats):
+        for w in workers:
+            loader = build_dataloader(dataset, batch_size, w, phase="train", shuffle=True, drop_last=True)
+            for which in ("first", "second"):
+                loader.sampler.set_epoch(r)
+                t0 = time.perf_counter()
+                count = sum(int(x.shape[0]) for x, _ in loader)
+                rates[w][which].append(count / (time.perf_counter() - t0))
+            del loader
+            say(f"    round {r + 1}/{repeats}: num_workers={w}: {rates[w]['first'][-1]:.0f} images/s "
+                f"(first pass), {rates[w]['second'][-1]:.0f} images/s (second)")
+    return {w: {"first": statistics.median(v["first"]), "second": statistics.median(v["second"]), "images": count}
+            for w, v in rates.items()}
+
+
+def callback_costs(run: Callable[[Callable[[Any], None]], Any]) -> Tuple[Dict[str, Dict[str, float]], Any]:
+    """Time each callback's handlers during one run.
+
+    Args:
+        run: builds a trainer, applies the patch it is given to it, runs it and returns what
+            it likes (see :func:`loop_contenders.run_basetrainer`'s ``patch``).
+
+    Returns:
+        ``({"<Callback>.<event>": {"total_s": ..., "calls": ...}}, run's result)``, largest
+        first (the timing wrappers add about a microsecond per call).
+    """
+    totals: Dict[str, float] = collections.Counter()
+    calls: Dict[str, int] = collections.Counter()
+
+    def timed(key: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return handler(*args)
+            finally:
+                totals[key] += time.perf_counter() - t0
+                calls[key] += 1
+        return wrapper
+
+    def patch(bt: Any) -> None:
+        bind = bt._bind_callbacks
+
+        def bind_and_time() -> None:
+            bind()
+            for event, handlers in bt._handlers.items():
+                bt._handlers[event] = [(name, timed(f"{name}.{event}", h)) for name, h in handlers]
+        bt._bind_callbacks = bind_and_time
+
+    outcome = run(patch)
+    return {k: {"total_s": totals[k], "calls": calls[k]} for k in sorted(totals, key=lambda k: -totals[k])}, outcome

@@ -1,11 +1,11 @@
-"""Tables, docs/benchmarks.md and docs/benchmarks.png for ``bench_loop.py``."""
+"""Derived figures and tables of ``bench_loop.py`` (plain text or markdown), and its targets."""
 import datetime
 import math
 import os
 import platform
 import statistics
 import subprocess
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_TOLERANCE = 1e-6
@@ -96,8 +96,9 @@ def _fmt_diff(v: float) -> str:
 
 def _table(header: Sequence[str], rows: List[Sequence[str]], markdown: bool) -> str:
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        def cells(values: Sequence[str]) -> str:
+            return "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
+        lines = [cells(header), "|" + "|".join("---" for _ in header) + "|"] + [cells(r) for r in rows]
         return "\n".join(lines)
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
@@ -280,189 +281,3 @@ def text_report(results: Dict[str, Any]) -> str:
         if table:
             parts.append(f"{title}\n{table}")
     return "\n\n".join(parts)
-
-
-def write_markdown(path: str, results: Dict[str, Any], command: str, canonical: str) -> None:
-    """docs/benchmarks.md: machine, method, tables, targets.
-
-    Args:
-        path: the file to write.
-        results: what ``bench_loop.main`` gathered.
-        command: the command that produced ``results``.
-        canonical: the command that refreshes the page.
-    """
-    info = results["machine"]
-    specs = results.get("specs", {})
-    spec_lines = "\n".join(f"- `{n}`: {s}" for n, s in specs.items())
-    extra = "".join(f"; also from {c}" for c in results.get("extra_commands", []))
-    text = f"""# Benchmarks
-
-basetrainer's loop against a hand-written PyTorch loop doing the same work. Refresh with
-
-    {canonical}
-
-(`--quick` for a short run, `--cases` to pick cases; `bench/bench_loop.py --help`). The
-figures below come from `{command}`{" (a quick run: fewer, shorter repeats)" if results.get("quick") else ""}{extra}.
-
-## Machine
-
-| | |
-|---|---|
-| CPU | {info['cpu']} |
-| cores | {info['cores']} |
-| torch threads per process | {info['threads']} |
-| torch / torchvision / Python | {info['torch']} / {info['torchvision']} / {info['python']} |
-| library state | {info['library']} |
-| date | {info['date']} |
-| load average (1 min) at start / end | {info['load_start']:.1f} / {results.get('load_end', float('nan')):.1f} |
-| run time of this benchmark | {results.get('total_s', 0.0):.0f} s |
-
-## Loop overhead
-
-{loop_table(results, markdown=True)}
-
-![ratios](benchmarks.png)
-
-How it is measured:
-
-- The same model (initial weights from one state_dict), the same in-memory `TensorDataset`, the
-  same order (`DistributedSampler(num_replicas=world, rank=rank, shuffle=True, seed=2020)` with
-  `set_epoch` every epoch, as `build_dataloader` builds it), SGD (lr 0.05, momentum 0.9,
-  weight decay 5e-4), cross-entropy, batch size global.
-- The two contenders alternate in one process (B, H, H, B, B, H, ...; DDP: inside one 2-process gloo
-  group started by `basetrainer.engine.launch.launch`, one torch thread per process). An untimed
-  pair first warms both up and checks equality (with callbacks off, basetrainer gets a
-  LossesRecorder for that pair only). Single-process cases use {info['threads']} torch thread(s):
-  on a 2-core machine shared with other jobs, two intra-op threads make epoch times swing by
-  several times. *ratio B/H (median)* is the median over repeats
-  of the paired ratio of the run's epoch time; *ratio (best runs)* is the fastest B run over
-  the fastest H run (the least disturbed by other load); *overhead us/step* = (median B - median
-  H) / steps per epoch.
-- An epoch runs from just before `set_epoch` to the end of the epoch (basetrainer: after the last
-  `on_epoch_end`); a run's epoch time is (last end - first start) / epochs. Trainer
-  construction and `on_train_begin`/`on_train_end` (TensorBoard writer, `history.png`) are outside
-  (median {_outside(results)}).
-- Callbacks off: basetrainer has no callback and progress off; the hand loop tracks nothing.
-  Callbacks on: AccuracyRecorder, LossesRecorder, the `constant` schedule of
-  `build_scheduler.get_scheduler` (per-step LR callback; constant so that training is unchanged),
-  LogHistory (log_freq 50, TensorBoard on, lines to a file), ModelCheckpoint (every epoch:
-  `last.pth`, `model_<epoch>.pth`, `best_model_*.pth`, to a temp folder); the hand loop keeps its
-  sample-weighted epoch loss on the device and reads it once per epoch. Progress bars are off in
-  both settings.
-- *max |dloss|*: per-epoch `history["train/loss"]` (LossesRecorder) against the hand loop's
-  sample-weighted epoch loss, over every compared run; *max |dweight|*: final weights.
-
-Cases:
-
-{spec_lines}
-
-## Targets
-
-{targets_table(results, markdown=True)}
-
-{findings(results)}
-
-## Import time
-
-{import_table(results, markdown=True)}
-
-*In process*: the import statement timed inside an interpreter that already imported torch and
-torchvision. *Fresh process*: wall time of `python -c "import torch, torchvision; <import>"`
-minus that of `python -c "import torch, torchvision"` in the same round (start-up noise of
-tens of ms on a busy machine).
-
-## Data loading: examples/example.py's pipeline
-
-{data_table(results, markdown=True)}
-
-The digits ImageFolder (data/digits/train, made by `examples/prepare_data.prepare_digits`) with
-`ClassificationTrainer.transforms(train=True)` (Resize to 32x32, RandomAffine, ToTensor,
-Normalize), batch 32, loaded through `build_dataloader(phase="train", drop_last=True)`.
-
-## Where the callbacks' time goes
-
-{costs_table(results, markdown=True) or "(not run)"}
-
-One instrumented run per case: each handler is timed (the wrapper adds about 1 us per call);
-*% of epochs* is its share of the run's epoch time; `on_train_begin`/`on_train_end` are outside
-the epochs.
-
-## What if: cheaper hot-path callbacks (monkeypatched in the benchmark, library untouched)
-
-{whatif_table(results, markdown=True) or "(not run)"}
-
-{epoch_whatif_table(results, markdown=True) or "(whole-epoch variant: `--cases whatif_epochs`, not part of the default run)"}
-
-The changes (bench/loop_patches.py): *accuracy*: AccuracyRecorder keeps each step's targets and
-argmax and folds them into the confusion matrix when a figure is read, instead of 6-7 small
-tensor ops per step; *lr*: the LR callback sets `param_group["lr"]` from `lr_factor(step)`
-instead of `warnings.catch_warnings()` + `LambdaLR.step()` per step; *loss*: LossesRecorder adds
-in place; *durable*: only `last.pth` is fsynced (the weights-only files `model_*.pth` keep temp
-file + rename, whole after any process crash); *async*: checkpoint files are serialised,
-written and fsynced by a background thread from a copy of the tensors (waited for in
-`on_train_end`). Every patched run ends with the same
-weights and losses as the unpatched one (last column). *ratio projected* subtracts the saved
-handler time from the measured epoch ratio.
-"""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def _outside(results: Dict[str, Any]) -> str:
-    parts = [f"{n}: {statistics.median(c['b_outside']):.2f} s" for n, c in results.get("cases", {}).items()]
-    return ", ".join(parts) if parts else "n/a"
-
-
-def write_png(path: str, results: Dict[str, Any]) -> Optional[str]:
-    """A bar chart of the B/H ratios with their targets, and the import cost with its target."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [case_row(n, c) for n, c in results.get("cases", {}).items()]
-    imports = results.get("imports")
-    panels = (1 if rows else 0) + (1 if imports else 0)
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, panels, figsize=(7.5 if panels == 1 else 11.5, 4.2), squeeze=False,
-                             gridspec_kw={"width_ratios": [3, 1.3][:panels]})
-    ax_list = list(axes[0])
-    if rows:
-        ax = ax_list.pop(0)
-        xs = range(len(rows))
-        colors = ["tab:green" if r["meets"] else "tab:red" for r in rows]
-        lows = [r["ratio"] - r["ratio_lo"] for r in rows]
-        highs = [r["ratio_hi"] - r["ratio"] for r in rows]
-        ax.bar(xs, [r["ratio"] for r in rows], color=colors, alpha=0.8, yerr=[lows, highs], capsize=4)
-        for x, r in zip(xs, rows):
-            ax.hlines(r["target"], x - 0.42, x + 0.42, colors="black", linestyles="--", linewidth=1.5)
-            ax.text(x, r["ratio_hi"] + 0.004, f"{r['ratio']:.3f}", ha="center", va="bottom", fontsize=9)
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([r["case"] for r in rows], rotation=15)
-        top = max(max(r["ratio_hi"] for r in rows), max(r["target"] for r in rows))
-        bottom = min(min(r["ratio_lo"] for r in rows), 1.0)
-        ax.set_ylim(bottom - 0.03, top + 0.03)
-        ax.set_ylabel("epoch time basetrainer / hand-written")
-        ax.set_title("Loop overhead (median of paired runs; bars: range; dashed: target)", fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    if imports:
-        ax = ax_list.pop(0)
-        names = [n for n in imports if n != "baseline"]
-        values = [imports[n]["inproc_s"] * 1e3 for n in names]
-        ax.bar(range(len(names)), values, color="tab:blue", alpha=0.8)
-        ax.axhline(IMPORT_TARGET_S * 1e3, color="black", linestyle="--", linewidth=1.5,
-                   label="target for import basetrainer")
-        for x, v in enumerate(values):
-            ax.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=9)
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels([n.replace("from basetrainer.engine import ", "engine.") for n in names], rotation=15,
-                           fontsize=8)
-        ax.set_ylabel("ms beyond import torch, torchvision")
-        ax.set_title("Import time (in process)", fontsize=10)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -33,16 +33,6 @@ def get_local_rank() -> int:
     return get_rank()
 
 
-def get_local_size() -> int:
-    """Number of processes on this machine."""
-    if not is_dist():
-        return 1
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if key in os.environ:
-            return int(os.environ[key].split("(")[0])
-    return get_world_size()
-
-
 def is_main_process() -> bool:
     return get_rank() == 0
 

@@ -6,7 +6,6 @@ of n steps is ``epoch + k / n``); the LR of a step is ``lr_init * warmup(k) * f(
 """
 import logging
 import math
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -111,12 +110,15 @@ class LRSchedulerCallback(Callback):
 
     def on_batch_prepare(self, epoch: int, batch: int, logs: Optional[dict] = None) -> None:
         step = epoch * self.steps_per_epoch() + batch // self._accumulate
-        # always re-position: the LR LambdaLR set at construction was computed before the
-        # trainer (and so accumulate_steps) was known, so step 0 must be recomputed too
-        with warnings.catch_warnings():  # positioning, not a misplaced step() call
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.last_epoch = step - 1
-            self.scheduler.step()
+        # always set: the LR LambdaLR set at construction was computed before the trainer (and
+        # so accumulate_steps) was known, so step 0 must be recomputed too. Setting the groups
+        # directly keeps this per-step work to one factor (no LambdaLR.step()/warnings context).
+        factor = self.lr_factor(step)
+        lrs = [base * factor for base in self.scheduler.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler.last_epoch = step
+        self.scheduler._last_lr = lrs
         if logs is not None:
             logs["lr"] = self.optimizer.param_groups[0]["lr"]
 

@@ -169,6 +169,77 @@ def test_atomic_save_keeps_old_file_when_save_fails(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["ckpt.pth"]  # no temp file left behind
 
 
+# ----------------------------------------------------------------------------- background writes
+def test_background_and_foreground_writes_give_the_same_files(tmp_path):
+    files = {}
+    for background in (False, True):
+        folder = tmp_path / str(background)
+        ckpt = ModelCheckpoint(model_dir=str(folder), indicator="Accuracy", start_save=None, async_save=background)
+        ToyTrainer(toy_cfg(n_train=48, n_test=16, num_epochs=3, seed=3), callbacks=[AccuracyRecorder(), ckpt]).run()
+        files[background] = {name: checkpoint.load_file(str(folder / name)) for name in names(folder)}
+    assert files[True].keys() == files[False].keys() and len(files[True]) >= 4
+    for name, a in files[False].items():
+        b = files[True][name]
+        weights_a, weights_b = checkpoint.extract_state_dict(a), checkpoint.extract_state_dict(b)
+        assert_same_weights(weights_a, weights_b)
+        if name == "last.pth":
+            assert a["epoch"] == b["epoch"] == 2
+            for k, buf in a["optimizer"]["state"].items():
+                assert torch.equal(buf["momentum_buffer"], b["optimizer"]["state"][k]["momentum_buffer"])
+            assert a["rng"][0]["python"] == b["rng"][0]["python"]
+
+
+def test_failed_background_write_stops_training_naming_the_file(tmp_path, monkeypatch):
+    real_save = torch.save
+    writes = []
+
+    def failing_save(obj, f, *args, **kwargs):
+        writes.append(getattr(f, "name", ""))
+        if len(writes) == 2:   # epoch 1's last.pth (start_save=0: one file per epoch)
+            raise OSError("No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    ckpt = ModelCheckpoint(model_dir=str(tmp_path / "model"), start_save=0)
+    t = ToyTrainer(toy_cfg(n_train=32, num_epochs=4), callbacks=[ckpt])
+    with pytest.raises(OSError, match="No space left") as info:
+        t.run()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "epoch 1's checkpoints in " + str(tmp_path / "model") in notes
+    assert t.epoch == 2        # raised at epoch 2's save, not at the end of training
+    monkeypatch.undo()
+    assert checkpoint.load_file(str(tmp_path / "model" / "last.pth"))["epoch"] == 0   # the old file is whole
+    assert not glob.glob(str(tmp_path / "model" / ".*tmp*"))
+
+
+def test_foreground_save_waits_for_the_background_one(tmp_path):
+    import threading
+    path = str(tmp_path / "last.pth")
+    started, release = threading.Event(), threading.Event()
+
+    def slow_old_write():
+        started.set()
+        release.wait(5)
+        checkpoint.write_atomically({"epoch": torch.tensor(1)}, path)
+
+    checkpoint.write_in_background(slow_old_write)
+    started.wait(5)
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    checkpoint.atomic_save({"epoch": torch.tensor(2)}, path)   # e.g. the preemption save
+    assert int(checkpoint.load_file(path)["epoch"]) == 2       # the newer state is the one kept
+    timer.join()
+
+
+def test_snapshot_does_not_share_memory():
+    live = {"w": torch.zeros(3), "nested": [torch.ones(2), 5, "x"], "t": (torch.zeros(1),)}
+    copy = checkpoint.snapshot(live)
+    live["w"].add_(1)
+    live["nested"][0].add_(1)
+    assert torch.equal(copy["w"], torch.zeros(3)) and torch.equal(copy["nested"][0], torch.ones(2))
+    assert copy["nested"][1:] == [5, "x"] and isinstance(copy["t"], tuple)
+
+
 def test_load_file_errors_name_the_file(tmp_path):
     missing = str(tmp_path / "nope.pth")
     with pytest.raises(FileNotFoundError, match="nope.pth"):

@@ -37,6 +37,10 @@ class ModelCheckpoint(Callback):
         keep: how many per-epoch files to keep when ``start_save`` is None or -1.
         save_freq_steps: also write ``last.pth`` every this many steps, mid-epoch (0 = off); a
             resume then continues inside the epoch, skipping the batches already trained.
+        async_save: copy the state (a few ms) and write the files in a background thread while
+            training goes on (default); they are complete when training ends (and before any
+            later checkpoint is written). ``False`` writes them before ``on_epoch_end`` returns.
+            A failed background write is raised at the next save or at the end of training.
 
     Example::
 
@@ -48,7 +52,8 @@ class ModelCheckpoint(Callback):
                  moder_dir: Optional[str] = None, epochs: Optional[int] = None, start_save: Optional[int] = None,
                  indicator: str = "", logger: Optional[logging.Logger] = None, model_dir: Optional[str] = None,
                  mode: Optional[str] = None, inverse: Optional[bool] = None, keep: int = 10,
-                 best_save: int = -1, save_freq_steps: int = 0, **kwargs: Any) -> None:
+                 best_save: int = -1, save_freq_steps: int = 0, async_save: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__()
         folder = model_dir or moder_dir
         if not folder:
@@ -76,6 +81,7 @@ class ModelCheckpoint(Callback):
         if not isinstance(save_freq_steps, int) or save_freq_steps < 0:
             raise ValueError(f"save_freq_steps={save_freq_steps!r} must be an integer >= 0 (0 = only at epoch ends)")
         self.save_freq_steps = save_freq_steps
+        self.async_save = bool(async_save)
 
     @property
     def moder_dir(self) -> str:  # the original project's attribute name
@@ -109,28 +115,60 @@ class ModelCheckpoint(Callback):
         if not self.is_main_process:
             return
         os.makedirs(self.model_dir, exist_ok=True)
-        self.save_last(epoch, rngs)
         suffix = f"_{value:.4f}" if value is not None else ""
-        epoch_file = None
+        epoch_file = best_file = None
         if self.start_save != 0 and epoch >= max(self.start_save, 0):
             epoch_file = os.path.join(self.model_dir, f"model_{epoch:03d}{suffix}.pth")
-            checkpoint.atomic_save(self._weights(), epoch_file)
         if improved:
-            path = os.path.join(self.model_dir, f"best_model_{epoch:03d}{suffix}.pth")
-            self._write_best(path, epoch_file)
+            best_file = os.path.join(self.model_dir, f"best_model_{epoch:03d}{suffix}.pth")
+            self.best_file = best_file
+        state = self._last_state(epoch, rngs)
+        weights = None
+        if epoch_file or best_file:
+            weights = state["model"] if self._saves_trainer_model(state) else self._weights()
+        if self.async_save:  # copy now (training changes the tensors in place), write later
+            state = checkpoint.snapshot(state)
+            weights = state["model"] if self._saves_trainer_model(state) else checkpoint.snapshot(weights)
+            checkpoint.write_in_background(
+                lambda: self._write_files(epoch, value, state, weights, epoch_file, best_file),
+                what=f"epoch {epoch}'s checkpoints in {self.model_dir}")
+        else:
+            checkpoint.wait_for_writes()
+            self._write_files(epoch, value, state, weights, epoch_file, best_file)
+
+    def _saves_trainer_model(self, state: dict) -> bool:
+        """Whether the weights files hold the same model as ``last.pth`` (then one state_dict,
+        and one copy of it, serves both)."""
+        if not isinstance(state.get("model"), dict) or self.trainer is None:
+            return False
+        return self._model is None or unwrap_model(self._model) is unwrap_model(self.trainer.model)
+
+    def _write_files(self, epoch: int, value: Optional[float], state: dict, weights: Optional[dict],
+                     epoch_file: Optional[str], best_file: Optional[str]) -> None:
+        """Write ``last.pth``, the epoch's weights and the best weights (in the writer thread
+        when ``async_save``)."""
+        last = os.path.join(self.model_dir, "last.pth")
+        checkpoint.write_atomically(state, last)
+        self.logger.debug("saved %s (epoch %d)", last, epoch)
+        if epoch_file is not None:
+            checkpoint.write_atomically(weights, epoch_file)
+        if best_file is not None:
+            self._write_best(best_file, epoch_file, weights)
             for old in glob.glob(os.path.join(self.model_dir, "best_model_*.pth")):
-                if os.path.abspath(old) != os.path.abspath(path):
+                if os.path.abspath(old) != os.path.abspath(best_file):
                     os.remove(old)
-            self.best_file = path
-            self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, path)
+            self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, best_file)
         if epoch_file is not None and self.start_save == -1:
             self._prune_epoch_files()
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.save_freq_steps and (batch + 1) % self.save_freq_steps == 0:
-            self.trainer.save_checkpoint(os.path.join(self.model_dir, "last.pth"))
+            self.trainer.save_checkpoint(os.path.join(self.model_dir, "last.pth"), background=self.async_save)
 
-    def _write_best(self, path: str, epoch_file: Optional[str]) -> None:
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        checkpoint.wait_for_writes()  # every file is complete when training returns
+
+    def _write_best(self, path: str, epoch_file: Optional[str], weights: Optional[dict]) -> None:
         """The best weights: a hard link to this epoch's file when there is one (no second
         write of the same bytes), else a new file."""
         if os.path.exists(path):
@@ -140,18 +178,19 @@ class ModelCheckpoint(Callback):
                 raise OSError("no per-epoch file to link")
             os.link(epoch_file, path)
         except OSError:
-            checkpoint.atomic_save(self._weights(), path)
+            checkpoint.write_atomically(weights, path)
 
-    def save_last(self, epoch: int, rngs: Optional[list] = None) -> str:
-        """Write the resumable ``last.pth``."""
+    def _last_state(self, epoch: int, rngs: Optional[list] = None) -> dict:
         trainer = self.trainer
         if trainer is not None and hasattr(trainer, "state_dict"):
-            state = trainer.state_dict(rng=rngs)
-        else:
-            state = {"format": checkpoint.FORMAT, "epoch": epoch, "model": self._weights(),
-                     "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
+            return trainer.state_dict(rng=rngs)
+        return {"format": checkpoint.FORMAT, "epoch": epoch, "model": self._weights(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
+
+    def save_last(self, epoch: int, rngs: Optional[list] = None) -> str:
+        """Write the resumable ``last.pth`` now (after any background write)."""
         path = os.path.join(self.model_dir, "last.pth")
-        checkpoint.atomic_save(state, path)
+        checkpoint.atomic_save(self._last_state(epoch, rngs), path)
         self.logger.debug("saved %s (epoch %d)", path, epoch)
         return path
 

@@ -8,8 +8,10 @@ import logging
 import os
 import pickle
 import random
+import threading
 import zipfile
-from typing import Any, Dict, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -22,8 +24,16 @@ FORMAT = "basetrainer-checkpoint-1"
 def atomic_save(obj: Any, path: str) -> str:
     """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
 
-    A crash at any point leaves either the old file or the new one, never a torn one.
+    A crash at any point leaves either the old file or the new one, never a torn one. Waits
+    first for the checkpoint writes still running in the background (:func:`write_in_background`),
+    so files are always written in the order they were asked for.
     """
+    wait_for_writes()
+    return write_atomically(obj, path)
+
+
+def write_atomically(obj: Any, path: str) -> str:
+    """:func:`atomic_save` without waiting for the background writes (for the writer thread)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
@@ -45,6 +55,72 @@ def atomic_save(obj: Any, path: str) -> str:
     except OSError:  # some filesystems cannot fsync a folder; the rename is still atomic
         pass
     return path
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` (dicts, lists, tuples of tensors and plain values) whose tensors no
+    longer share memory with the live model or optimizer, on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach()
+        return obj.clone() if obj.device.type == "cpu" else obj.to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class BackgroundWriter:
+    """One thread that writes checkpoint files while training goes on.
+
+    At most one job is in flight: :meth:`submit` first waits for the previous one (memory stays
+    bounded to one copy of the state, and a failed write is raised at the next save or at the
+    end of training, naming the file).
+    """
+
+    def __init__(self) -> None:
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        self.wait()
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="basetrainer-ckpt")
+            self._pending = self._executor.submit(job)
+
+    def wait(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+
+
+_WRITER = BackgroundWriter()
+_IN_WRITER = threading.local()  # set in the writer thread: its own saves must not wait for it
+
+
+def write_in_background(job: Callable[[], Any], what: str = "checkpoint") -> None:
+    """Run ``job`` (which writes files from a :func:`snapshot`, with :func:`write_atomically`)
+    in the checkpoint writer thread, after the writes asked for before it. Returns at once."""
+    def run() -> None:
+        _IN_WRITER.active = True
+        try:
+            job()
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"raised while writing {what} (in the background checkpoint writer)")
+            raise
+
+    _WRITER.submit(run)
+
+
+def wait_for_writes() -> None:
+    """Block until every background checkpoint write has finished; re-raise a failed one."""
+    if not getattr(_IN_WRITER, "active", False):
+        _WRITER.wait()
 
 
 def load_file(path: str, map_location: Any = "cpu") -> Any:

@@ -147,7 +147,7 @@ class EngineTrainer(Engine):
 
     # ----------------------------------------------------------------------------- helpers
     def build_dataloader(self, dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
-                         shuffle: bool = True, pin_memory: bool = False, drop_last: bool = False,
+                         shuffle: bool = True, pin_memory: Optional[bool] = None, drop_last: bool = False,
                          distributed: Optional[bool] = None, **kwargs: Any) -> DataLoader:
         """A DataLoader whose order depends only on (seed, epoch), in every mode.
 
@@ -159,13 +159,14 @@ class EngineTrainer(Engine):
             phase: ``"train"`` (a seeded, per-epoch shuffled, rank-strided sampler) or
                 ``"test"`` (each rank a disjoint shard, no padding or duplicates).
             shuffle: shuffle the training order (per epoch, from the seed).
-            pin_memory: pin host memory (only used when training on CUDA).
+            pin_memory: pin host memory, so that batches are copied to the GPU asynchronously
+                (``non_blocking``); default (None): when training on CUDA. Never on the CPU.
             drop_last: drop the last incomplete batch.
             distributed: shard over the processes (default: whenever a process group exists).
             **kwargs: passed to :class:`torch.utils.data.DataLoader` (e.g. ``collate_fn``).
         """
         return data.build_dataloader(dataset, batch_size, num_workers, phase=phase, shuffle=shuffle,
-                                     pin_memory=pin_memory and self.device.type == "cuda",
+                                     pin_memory=pin_memory is not False and self.device.type == "cuda",
                                      drop_last=drop_last, distributed=distributed, seed=self.seed, **kwargs)
 
     def build_model_parallel(self, model: nn.Module, gpu_id: Optional[Sequence[int]] = None,
@@ -257,13 +258,24 @@ class EngineTrainer(Engine):
                 return folder
         return os.path.join(self.cfg.get("work_dir") or ".", "model")
 
-    def save_checkpoint(self, path: Optional[str] = None) -> str:
+    def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> str:
         """Write a resumable checkpoint (called on every rank: it gathers every rank's RNG
-        state; only the main process writes). Returns the path."""
+        state; only the main process writes). Returns the path.
+
+        Args:
+            path: default ``<checkpoint_dir()>/last.pth``.
+            background: copy the state and let the checkpoint writer thread write the file
+                (:func:`basetrainer.engine.checkpoint.write_in_background`); by default the
+                file is complete when this returns.
+        """
         path = path or os.path.join(self.checkpoint_dir(), "last.pth")
         rngs = comm.all_gather_object(checkpoint.rng_state())
         if comm.is_main_process():
-            checkpoint.atomic_save(self.state_dict(rng=rngs), path)
+            if background:
+                state = checkpoint.snapshot(self.state_dict(rng=rngs))
+                checkpoint.write_in_background(lambda: checkpoint.write_atomically(state, path), path)
+            else:
+                checkpoint.atomic_save(self.state_dict(rng=rngs), path)
         comm.synchronize()
         return path
 

@@ -360,3 +360,11 @@ def test_non_finite_loss_names_epoch_and_step():
     msg = str(info.value)
     assert "non-finite loss at epoch 0, step 0" in msg and "loss=nan" in msg
     assert "Lower the learning rate" in msg
+
+
+def test_accuracy_target_beyond_the_models_classes():
+    from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+    rec = AccuracyRecorder()
+    rec.train.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 5]))   # 3 outputs, class 5
+    with pytest.raises(ValueError, match="target class index is >= 3.*num_classes"):
+        rec.compute(rec.train, reduce=False)

@@ -11,7 +11,7 @@ from basetrainer.callbacks.callbacks import Callback, resolve_indicator
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.callbacks.multi_losses_recorder import MultiLossesRecorder
-from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+from basetrainer.metric.accuracy_recorder import AccuracyRecorder, ConfusionCounts
 from conftest import ToyTrainer, toy_cfg
 
 
@@ -213,3 +213,21 @@ def test_missing_indicator_names_the_key_and_the_figures(tmp_path):
     with pytest.raises(KeyError) as info:
         t.run()
     assert "train/Accuracy" in str(info.value) and "train/loss" in str(info.value)
+
+
+def test_deferred_confusion_counts_equal_a_direct_count_over_many_batches():
+    g = torch.Generator().manual_seed(0)
+    counts = ConfusionCounts((1,))
+    expected = torch.zeros(5, 5, dtype=torch.long)
+    for step in range(600):   # more than FOLD_EVERY pending batches, read now and then
+        n = 1 + step % 7
+        outputs, targets = torch.randn(n, 5, generator=g), torch.randint(0, 5, (n,), generator=g)
+        counts.update(outputs, targets)
+        for t, p in zip(targets.tolist(), outputs.argmax(1).tolist()):
+            expected[t, p] += 1
+        if step in (10, 11, 400):
+            assert torch.equal(counts.matrix_2d(5), expected)
+        assert len(counts._pending) <= ConfusionCounts.FOLD_EVERY
+    assert torch.equal(counts.matrix_2d(5), expected)
+    counts.reset()
+    assert counts.matrix is None

@@ -23,9 +23,11 @@ class RunningSums:
 
     def add(self, values: Dict[str, torch.Tensor], n: int) -> None:
         for key, value in values.items():
-            value = value.detach().float() * n
             prev = self.sums.get(key)
-            self.sums[key] = value if prev is None else prev + value
+            if prev is None:
+                self.sums[key] = value.detach().float() * n   # a new tensor: never the loss itself
+            else:
+                prev.add_(value.detach(), alpha=n)
         self.count += n
 
     def means(self, reduce: bool = False) -> Dict[str, float]:

@@ -1,6 +1,6 @@
 """Classification accuracy (top-1, optional top-k), per-class accuracy and confusion matrix."""
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -11,15 +11,30 @@ _logger = logging.getLogger(__name__)
 
 
 class ConfusionCounts:
-    """A confusion matrix and top-k hit counts kept on the device (no host sync per update)."""
+    """A confusion matrix and top-k hit counts kept on the device (no host sync per update).
+
+    An update only keeps the batch's targets and top-1 predictions; they are folded into the
+    matrix (one ``bincount`` for many batches) when :attr:`matrix` is read, i.e. every
+    ``log_freq`` steps, or after :data:`FOLD_EVERY` pending batches.
+    """
+
+    FOLD_EVERY = 256
 
     def __init__(self, topk: Sequence[int]) -> None:
         self.topk = tuple(topk)
-        self.matrix: Optional[torch.Tensor] = None   # [num_classes, num_classes], rows = truth
+        self._matrix: Optional[torch.Tensor] = None  # [num_classes * num_classes], rows = truth
+        self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._classes = 0
         self.hits: Optional[torch.Tensor] = None     # [len(topk)] hits for k > 1
 
+    @property
+    def matrix(self) -> Optional[torch.Tensor]:
+        """The flattened confusion matrix so far (None before the first update)."""
+        self._fold()
+        return self._matrix
+
     def reset(self) -> None:
-        self.matrix, self.hits = None, None
+        self._matrix, self._pending, self.hits = None, [], None
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
         outputs = outputs.detach()
@@ -28,24 +43,43 @@ class ConfusionCounts:
         targets = targets.detach()
         if targets.dim() == 2:  # one-hot or soft labels
             targets = targets.argmax(dim=1)
-        targets = targets.to(device=outputs.device, dtype=torch.long)
         c = outputs.shape[1]
-        if self.matrix is None:
-            self.matrix = torch.zeros(c * c, dtype=torch.long, device=outputs.device)
-        preds = outputs.argmax(dim=1)
-        self.matrix += torch.bincount(targets * c + preds, minlength=c * c)
+        if self._pending and c != self._classes:
+            self._fold()
+        self._classes = c
+        self._pending.append((targets, outputs.argmax(dim=1)))
+        if len(self._pending) >= self.FOLD_EVERY:
+            self._fold()
         ks = [k for k in self.topk if k > 1]
         if ks:
+            targets = targets.to(device=outputs.device, dtype=torch.long)
             top = outputs.topk(min(max(ks), c), dim=1).indices
             hit = top == targets[:, None]
             counts = torch.stack([hit[:, :k].any(dim=1).sum() for k in ks])
             self.hits = counts if self.hits is None else self.hits + counts
 
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        c = self._classes
+        preds = torch.cat([p for _, p in pending])
+        targets = torch.cat([t.reshape(-1) for t, _ in pending]).to(device=preds.device, dtype=torch.long)
+        counts = torch.bincount(targets * c + preds, minlength=c * c)
+        if counts.numel() > c * c:
+            raise ValueError(f"AccuracyRecorder: a target class index is >= {c}, the number of classes the "
+                             f"model outputs; set num_classes to the number of classes in the data")
+        if self._matrix is not None and self._matrix.numel() != c * c:
+            raise ValueError(f"AccuracyRecorder: the model's outputs changed from "
+                             f"{int(round(self._matrix.numel() ** 0.5))} to {c} classes within a phase")
+        self._matrix = counts if self._matrix is None else self._matrix + counts
+
     def matrix_2d(self, num_classes: int) -> torch.Tensor:
-        if self.matrix is None:
+        matrix = self.matrix
+        if matrix is None:
             return torch.zeros(num_classes, num_classes, dtype=torch.long)
-        c = int(round(self.matrix.numel() ** 0.5))
-        return self.matrix.reshape(c, c)
+        c = int(round(matrix.numel() ** 0.5))
+        return matrix.reshape(c, c)
 
 
 class AccuracyRecorder(Callback):

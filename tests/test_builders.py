@@ -261,3 +261,13 @@ def test_unknown_loss_lists_names(bad):
     assert f"unknown loss_type {bad!r}" in msg
     for name in ("CELoss", "CrossEntropyLoss", "FocalLoss", "LabelSmoothing"):
         assert f"'{name}'" in msg
+
+
+@pytest.mark.parametrize("device,pin,expected", [("cpu", None, False), ("cpu", True, False),
+                                                 ("cuda", None, True), ("cuda", False, False)])
+def test_build_dataloader_pins_memory_by_default_on_cuda_only(device, pin, expected):
+    from conftest import ToyTrainer, blobs, toy_cfg
+    t = ToyTrainer(toy_cfg())
+    t.device = torch.device(device)   # only the loader is built: no CUDA call is made
+    loader = t.build_dataloader(blobs(8, 2), 4, phase="test", pin_memory=pin)
+    assert loader.pin_memory is expected

@@ -15,10 +15,6 @@ Cases (``--cases``; ``tiny`` and ``resnet18`` name both of their settings):
   ``import torch, torchvision``.
 - ``data``: images/s of examples/example.py's train loader with 0 and 2 workers.
 - ``costs``: the time each callback spends per event, in one instrumented run per setting.
-- ``whatif``: the cost of the hot-path callback handlers as is and with cheaper versions
-  monkeypatched in (bench/loop_patches.py; the library is not edited).
-- ``whatif_epochs`` (opt-in, not part of ``all``): whole-epoch times of basetrainer with each
-  set of those changes against the hand loop (a few minutes).
 
 The loop comparisons also check that basetrainer's per-epoch loss and final weights equal the
 hand-written loop's. The method is described in docs/benchmarks.md and bench/loop_contenders.py.
@@ -42,15 +38,13 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import loop_contenders as lc  # noqa: E402
-import loop_patches as patches  # noqa: E402
 import loop_probes as probes  # noqa: E402
 import loop_docs as docs  # noqa: E402
 import loop_report as report  # noqa: E402
 
 CANONICAL = ".venv/bin/python bench/bench_loop.py --out docs"
 LOOP_CASES = ("tiny_off", "tiny_on", "resnet18_off", "resnet18_on", "ddp")
-OTHER_CASES = ("imports", "data", "costs", "whatif")
-OPT_IN_CASES = ("whatif_epochs",)  # not in "all": a few minutes more
+OTHER_CASES = ("imports", "data", "costs")
 GROUPS = {"tiny": ("tiny_off", "tiny_on"), "resnet18": ("resnet18_off", "resnet18_on"), "resnet": ("resnet18_off",
           "resnet18_on"), "all": LOOP_CASES + OTHER_CASES}
 TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on": 1.02, "ddp": 1.05}
@@ -127,39 +121,7 @@ def run_costs(specs: Dict[str, Tuple[lc.Spec, int, int]], say: Callable[[str], N
     return out
 
 
-def run_whatif(specs: Dict[str, Tuple[lc.Spec, int, int]], quick: bool, say: Callable[[str], None]) -> Dict[str, Any]:
-    """Handler costs as is and with the suggested changes monkeypatched in.
-
-    The resnet18 run only needs ModelCheckpoint's epoch end: one step per epoch, 3 epochs.
-    """
-    res = lc.Spec("resnet18", 32, 32, 2 if quick else 3, callbacks=True)
-    out = {}
-    for name, spec, chosen in (("tiny_on", specs["tiny_on"][0], ("accuracy", "lr", "loss", "durable")),
-                               ("resnet18_on", res, ("durable",))):
-        say(f"  {name}: {'+'.join(chosen)}")
-        out[name] = patches.what_if(spec, chosen, 2 if quick else 4, say)
-    return out
-
-
-EPOCH_VARIANTS = {"as is": (), "per-step changes": ("accuracy", "lr", "loss"), "durable last.pth only": ("durable",),
-                  "all but async": ("accuracy", "lr", "loss", "durable"), "async checkpoint writes": ("async",)}
-
-
-def run_epoch_whatif(specs: Dict[str, Tuple[lc.Spec, int, int]], quick: bool,
-                     say: Callable[[str], None]) -> Dict[str, Any]:
-    """Whole-epoch alternation of basetrainer with each set of suggested changes and the hand loop.
-
-    resnet18 only: on the tiny CNN the changes save a few ms per epoch, far below the noise of
-    whole epochs on a shared machine (the handler-level ``whatif`` case measures them there).
-    """
-    out = {}
-    for name, repeats in (("resnet18_on", 1 if quick else 3),):
-        say(f"  {name}")
-        out[name] = patches.epoch_what_if(specs[name][0], EPOCH_VARIANTS, repeats, say)
-    return out
-
-
-SECTIONS = ("imports", "data", "costs", "whatif", "whatif_epochs")
+SECTIONS = ("imports", "data", "costs")
 
 
 def merge_results(paths: List[str]) -> Dict[str, Any]:
@@ -193,12 +155,12 @@ def selected_cases(names: Optional[List[str]]) -> List[str]:
     chosen: List[str] = []
     for name in names or list(GROUPS["all"]):
         for case in GROUPS.get(name, (name,)):
-            if case not in LOOP_CASES + OTHER_CASES + OPT_IN_CASES:
+            if case not in LOOP_CASES + OTHER_CASES:
                 raise SystemExit(f"unknown case {name!r}; choose from "
-                                 f"{sorted(set(LOOP_CASES + OTHER_CASES + OPT_IN_CASES) | set(GROUPS))}")
+                                 f"{sorted(set(LOOP_CASES + OTHER_CASES) | set(GROUPS))}")
             if case not in chosen:
                 chosen.append(case)
-    return [c for c in LOOP_CASES + OTHER_CASES + OPT_IN_CASES if c in chosen]
+    return [c for c in LOOP_CASES + OTHER_CASES if c in chosen]
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -209,7 +171,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats (about two minutes)")
     parser.add_argument("--cases", nargs="+", default=None, metavar="CASE",
                         help=f"cases to run (default all): {', '.join(LOOP_CASES + OTHER_CASES)}, "
-                             f"the groups tiny, resnet18, all, or the opt-in {', '.join(OPT_IN_CASES)}")
+                             "or the groups tiny, resnet18, all")
     parser.add_argument("--out", default=None, help="folder for benchmarks.md and benchmarks.png (e.g. docs)")
     parser.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
     parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
@@ -262,10 +224,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 3, say=say)
         elif name == "costs":
             results["costs"] = run_costs(specs, say)
-        elif name == "whatif":
-            results["whatif"] = run_whatif(specs, args.quick, say)
-        elif name == "whatif_epochs":
-            results["whatif_epochs"] = run_epoch_whatif(specs, args.quick, say)
         say(f"    ({time.perf_counter() - t0:.0f} s)")
     results["total_s"] = time.perf_counter() - t_start
     results["load_end"] = report.load_average()

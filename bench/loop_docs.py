@@ -2,8 +2,8 @@
 import statistics
 from typing import Any, Dict, Optional
 
-from loop_report import (IMPORT_TARGET_S, case_row, costs_table, data_table, epoch_whatif_table, findings,
-                         import_table, loop_table, targets_table, whatif_table)
+from loop_report import (IMPORT_TARGET_S, case_row, costs_table, data_table, findings, import_table, loop_table,
+                         targets_table)
 
 
 def write_markdown(path: str, results: Dict[str, Any], command: str, canonical: str) -> None:
@@ -110,28 +110,6 @@ Normalize), batch 32, loaded through `build_dataloader(phase="train", drop_last=
 One instrumented run per case: each handler is timed (the wrapper adds about 1 us per call);
 *% of epochs* is its share of the run's epoch time; `on_train_begin`/`on_train_end` are outside
 the epochs.
-
-## What if: cheaper hot-path callbacks (monkeypatched in the benchmark, library untouched)
-
-{whatif_table(results, markdown=True) or "(not run)"}
-
-{epoch_whatif_table(results, markdown=True) or "(whole-epoch variant: `--cases whatif_epochs`, not part of the default run)"}
-
-The first table times the changed handlers themselves (alternating, 4 runs each), which is
-precise; the second (when present) times whole resnet18 epochs with each set of changes, where
-differences below about 5% are within the noise of a few runs on a shared machine (the
-per-step changes cannot save more than a millisecond of a resnet18 epoch).
-
-The changes (bench/loop_patches.py): *accuracy*: AccuracyRecorder keeps each step's targets and
-argmax and folds them into the confusion matrix when a figure is read, instead of 6-7 small
-tensor ops per step; *lr*: the LR callback sets `param_group["lr"]` from `lr_factor(step)`
-instead of `warnings.catch_warnings()` + `LambdaLR.step()` per step; *loss*: LossesRecorder adds
-in place; *durable*: only `last.pth` is fsynced (the weights-only files `model_*.pth` keep temp
-file + rename, whole after any process crash); *async*: checkpoint files are serialised,
-written and fsynced by a background thread from a copy of the tensors (waited for in
-`on_train_end`). Every patched run ends with the same
-weights and losses as the unpatched one (last column). *ratio projected* subtracts the saved
-handler time from the measured epoch ratio.
 """
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

@@ -169,73 +169,6 @@ def costs_table(results: Dict[str, Any], markdown: bool = False, top: int = 8) -
     return _table(header, rows, markdown)
 
 
-RELEVANT = {"accuracy": "AccuracyRecorder.on_train_summary", "lr": "LRSchedulerCallback.on_batch_prepare",
-            "loss": "LossesRecorder.on_train_summary", "checkpoint": "ModelCheckpoint.on_epoch_end",
-            "durable": "ModelCheckpoint.on_epoch_end"}
-
-
-def whatif_rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Per patched handler: cost as is and patched, and the saving per epoch of its case."""
-    rows = []
-    for name, w in (results.get("whatif") or {}).items():
-        by_handler: Dict[str, List[str]] = {}
-        for patch in w["patches"]:
-            by_handler.setdefault(RELEVANT[patch], []).append(patch)
-        for key, chosen in by_handler.items():
-            h = w["handlers"].get(key)
-            if h is None:
-                continue
-            per_step = key.endswith(("on_train_summary", "on_batch_prepare"))
-            cases = results.get("cases", {})
-            calls = cases[name]["steps"] if name in cases and per_step else h["calls_per_epoch"]
-            rows.append({"case": name, "patch": "+".join(chosen), "handler": key, "as_is_us": h["as_is_us"],
-                         "patched_us": h["patched_us"], "calls": calls,
-                         "saved_ms": (h["as_is_us"] - h["patched_us"]) * calls / 1e3,
-                         "weight_diff": w["weight_diff"], "loss_diff": w["loss_diff"]})
-    return rows
-
-
-def whatif_table(results: Dict[str, Any], markdown: bool = False) -> str:
-    """Handler costs as is and with the suggested changes, and the projected loop ratio."""
-    rows = whatif_rows(results)
-    if not rows:
-        return ""
-    header = ["case", "change", "handler", "calls/epoch", "as is us/call", "patched us/call", "saved ms/epoch",
-              "ratio as measured", "ratio projected", "max |dloss|, |dweight| patched vs as is"]
-    out = []
-    saved_by_case: Dict[str, float] = {}
-    for r in rows:
-        saved_by_case[r["case"]] = saved_by_case.get(r["case"], 0.0) + r["saved_ms"]
-    for r in rows:
-        case = results.get("cases", {}).get(r["case"])
-        measured = projected = "-"
-        if case is not None:
-            row = case_row(r["case"], case)
-            measured = f"{row['ratio']:.3f}"
-            projected = f"{row['ratio'] - saved_by_case[r['case']] / row['h_ms']:.3f} (all changes)"
-        out.append([r["case"], r["patch"], r["handler"], f"{r['calls']:.0f}", f"{r['as_is_us']:.1f}",
-                    f"{r['patched_us']:.1f}", f"{r['saved_ms']:.2f}", measured, projected,
-                    f"{_fmt_diff(r['loss_diff'])}, {_fmt_diff(r['weight_diff'])}"])
-    return _table(header, out, markdown)
-
-
-def epoch_whatif_table(results: Dict[str, Any], markdown: bool = False) -> str:
-    """Whole-epoch times of basetrainer with each set of suggested changes, against H."""
-    data = results.get("whatif_epochs")
-    if not data:
-        return ""
-    header = ["case", "variant", "ms/epoch (median)", "ratio to hand (median)", "ratio (best runs)"]
-    rows = []
-    for case, entry in data.items():
-        runs = entry["runs"]
-        hand = runs["hand"]
-        for name, xs in runs.items():
-            ratio = statistics.median([x / y for x, y in zip(xs, hand)])
-            rows.append([case, name, f"{statistics.median(xs) * 1e3:.1f}", f"{ratio:.3f}",
-                         f"{min(xs) / min(hand):.3f}"])
-    return _table(header, rows, markdown)
-
-
 def targets(results: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Every target with its measured figure and whether it is met."""
     out = []
@@ -275,9 +208,7 @@ def text_report(results: Dict[str, Any]) -> str:
                          ("Targets", targets_table(results)),
                          ("Import time beyond torch + torchvision", import_table(results)),
                          ("examples/example.py train loader (digits ImageFolder)", data_table(results)),
-                         ("Callback cost (one instrumented run)", costs_table(results)),
-                         ("What if: suggested library changes, monkeypatched in", whatif_table(results)),
-                         ("What if, whole epochs", epoch_whatif_table(results))):
+                         ("Callback cost (one instrumented run)", costs_table(results))):
         if table:
             parts.append(f"{title}\n{table}")
     return "\n\n".join(parts)

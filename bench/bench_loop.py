@@ -55,7 +55,7 @@ def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
     tiny_n = 64 * (30 if quick else 100)
     res_n = 64 if quick else 256
     res_epochs = 1 if quick else 2
-    tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (9, 5, 15)  # DDP runs vary most
+    tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (9, 9, 15)  # DDP runs vary most
     return {
         "tiny_off": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False), tiny_reps, 2),
         "tiny_on": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=True), tiny_reps, 2),

@@ -70,7 +70,9 @@ How it is measured:
   Callbacks on: AccuracyRecorder, LossesRecorder, the `constant` schedule of
   `build_scheduler.get_scheduler` (per-step LR callback; constant so that training is unchanged),
   LogHistory (log_freq 50, TensorBoard on, lines to a file), ModelCheckpoint (every epoch:
-  `last.pth`, `model_<epoch>.pth`, `best_model_*.pth`, to a temp folder); the hand loop keeps its
+  `last.pth`, `model_<epoch>.pth`, `best_model_*.pth`, to a temp folder, written by its
+  background thread; waiting for the last epoch's files is part of `on_train_end`, outside the
+  epochs, and the hand loop writes no file); the hand loop keeps its
   sample-weighted epoch loss on the device and reads it once per epoch. Progress bars are off in
   both settings.
 - *max |dloss|*: per-epoch `history["train/loss"]` (LossesRecorder) against the hand loop's

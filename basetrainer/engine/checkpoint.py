@@ -97,7 +97,6 @@ class BackgroundWriter:
             pending.result()
 
 
-
 _WRITER = BackgroundWriter()
 _IN_WRITER = threading.local()  # set in the writer thread: its own saves must not wait for it
 

@@ -338,7 +338,6 @@ def max_loss_diff(a: List[float], b: List[float]) -> float:
 
 
 def compare(spec: Spec, repeats: int, warmup_epochs: int, callbacks: str,
-            patch: Optional[Callable[[BenchTrainer], None]] = None,
             progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Alternate basetrainer (B) and the hand loop (H): a verification pair, then B,H repeats.
 
@@ -353,7 +352,6 @@ def compare(spec: Spec, repeats: int, warmup_epochs: int, callbacks: str,
         repeats: timed pairs.
         warmup_epochs: epochs of the untimed first pair.
         callbacks: basetrainer's callback set in the timed runs (``"none"`` or ``"default"``).
-        patch: passed to :func:`run_basetrainer`.
         progress: called with one line per timed pair.
 
     Returns:
@@ -364,17 +362,17 @@ def compare(spec: Spec, repeats: int, warmup_epochs: int, callbacks: str,
     state = initial_state(spec)
     say = progress or (lambda _msg: None)
     check_set = "loss" if callbacks == "none" else callbacks
-    b = run_basetrainer(spec, dataset, state, warmup_epochs, check_set, patch)
+    b = run_basetrainer(spec, dataset, state, warmup_epochs, check_set)
     h = run_hand(spec, dataset, state, warmup_epochs, track_loss=True)
     loss_diffs = [max_loss_diff(b.losses, h.losses)]
     weight_diffs = [max_weight_diff(b.weights, h.weights)]
     b_runs, h_runs, b_outside = [], [], []
     for i in range(repeats):  # B,H then H,B: a load that drifts during a pair hits both alike
         if i % 2 == 0:
-            b = run_basetrainer(spec, dataset, state, spec.epochs, callbacks, patch)
+            b = run_basetrainer(spec, dataset, state, spec.epochs, callbacks)
         h = run_hand(spec, dataset, state, spec.epochs, track_loss=callbacks != "none")
         if i % 2 == 1:
-            b = run_basetrainer(spec, dataset, state, spec.epochs, callbacks, patch)
+            b = run_basetrainer(spec, dataset, state, spec.epochs, callbacks)
         b_runs.append(b.run_epoch_s)
         h_runs.append(h.run_epoch_s)
         b_outside.append(b.outside_s)

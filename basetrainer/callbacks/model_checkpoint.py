@@ -124,14 +124,15 @@ class ModelCheckpoint(Callback):
             best_file = os.path.join(self.model_dir, f"best_model_{epoch:03d}{suffix}.pth")
             self.best_file = best_file
         state = self._last_state(epoch, rngs)
+        shared = self._saves_trainer_model(state)   # last.pth's model is the weights files' model
         weights = None
         if epoch_file or best_file:
-            weights = state["model"] if self._saves_trainer_model(state) else self._weights()
+            weights = state["model"] if shared else self._weights()
         if self.async_save:  # copy now (training changes the tensors in place), write later
             # (a new copy each time, freed when written: keeping one to overwrite would save
             # ~20 ms per resnet18 epoch, but made every later step ~5% slower in the benchmark)
             state = checkpoint.snapshot(state)
-            weights = state["model"] if self._saves_trainer_model(state) else checkpoint.snapshot(weights)
+            weights = state["model"] if shared and weights is not None else checkpoint.snapshot(weights)
             checkpoint.write_in_background(
                 lambda: self._write_files(epoch, value, state, weights, epoch_file, best_file),
                 what=f"epoch {epoch}'s checkpoints in {self.model_dir}")

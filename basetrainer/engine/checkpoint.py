@@ -75,7 +75,7 @@ class BackgroundWriter:
 
     At most one job is in flight: :meth:`submit` first waits for the previous one (memory stays
     bounded to one copy of the state, and a failed write is raised at the next save or at the
-    end of training, naming the file).
+    end of training, with a note saying what was being written).
     """
 
     def __init__(self) -> None:

@@ -161,6 +161,9 @@ def _dist_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple
             f.write(traceback.format_exc())
         raise
     finally:
+        import gc
+
+        gc.collect()  # free the DDP model (a trainer <-> callbacks cycle) so the group's threads join here
         dist.destroy_process_group()
 
 

@@ -185,6 +185,49 @@ def test_launch_spawns_two_cpu_processes_and_only_rank0_writes(tmp_path, launch_
     assert len(rows) == 1 + 3
 
 
+EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, os, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ToyTrainer, toy_cfg
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.engine.launch import launch
+
+    def threads_left(path):
+        task = "/proc/self/task"
+        names = sorted(open(os.path.join(task, t, "comm")).read().strip() for t in os.listdir(task))
+        with open(path, "w") as f:
+            f.write("\\n".join(names))
+
+    def main(cfg):
+        # at interpreter exit (before its last garbage collection) list the threads still running
+        atexit.register(threads_left, os.path.join(cfg.work_dir, "threads_%s.txt" % os.environ["RANK"]))
+        t = ToyTrainer(cfg, callbacks=[LossesRecorder()])  # the trainer <-> callback cycle outlives main
+        t.run()
+
+    if __name__ == "__main__":
+        cfg = toy_cfg(num_epochs=1, batch_size=32, n_train=128, distributed=True, work_dir=sys.argv[1],
+                      gpu_id=[0, 1])
+        os.makedirs(cfg.work_dir, exist_ok=True)
+        launch(main, num_gpus_per_machine=2, dist_url="auto", distributed=True, args=(cfg,), timeout=60)
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
+def test_launch_joins_the_group_threads_before_interpreter_exit(tmp_path):
+    # A gloo worker thread still alive when the interpreter shuts down can abort a rank whose
+    # training succeeded (SIGABRT, "terminate called without an active exception"): launch must
+    # free the DDP model and destroy the group, joining its threads, before the worker exits.
+    script = tmp_path / "exit_toy.py"
+    script.write_text(EXIT_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    work = tmp_path / "work"
+    proc = subprocess.run([PY, str(script), str(work)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        names = (work / f"threads_{rank}.txt").read_text().split()
+        assert "python" in names  # the list was read from this process
+        assert not [n for n in names if "gloo" in n or "tcpstore" in n], (rank, names)
+
+
 def test_busy_port_is_replaced_and_training_runs(tmp_path, launch_script):
     import socket
 

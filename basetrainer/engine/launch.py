@@ -5,6 +5,7 @@ job with several tasks -> this process joins that world; otherwise it spawns
 ``num_gpus_per_machine`` processes on this machine (NCCL on GPUs, gloo on the CPU).
 """
 import datetime
+import gc
 import logging
 import os
 import pickle
@@ -91,18 +92,34 @@ def _slurm_master_addr() -> str:
 
 
 def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: str, world_size: int,
-                  rank: int, local_rank: int, timeout: datetime.timedelta) -> Any:
+                  rank: int, local_rank: int, timeout: datetime.timedelta, keep_result: bool = True) -> Any:
     if backend == "nccl":
         torch.cuda.set_device(local_rank)  # before any collective
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timeout)
     try:
         result = main_func(*args)
+        if not keep_result:
+            result = None  # a returned trainer would keep its DDP model, and so the group, alive
         dist.barrier()  # leave together: gloo may abort a rank that tears down while peers still work
         return result
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Destroy the process group now, while the interpreter is whole.
+
+    A DDP model holds a reference to the group, and a trainer lives on in a reference cycle with
+    its callbacks after ``main_func`` returns. ``destroy_process_group()`` alone then leaves the
+    group, and gloo's worker threads, alive into interpreter shutdown; a worker that still has to
+    free a tensor there aborts the process ("terminate called without an active exception",
+    SIGABRT) after training succeeded. Collecting the cycles first lets the group's last
+    reference go here, which joins its threads.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, nprocs: int,
@@ -112,7 +129,7 @@ def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, 
         torch.set_num_threads(max(1, (os.cpu_count() or nprocs) // nprocs))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": str(machine_rank)})
-    _run_in_group(main_func, args, backend, dist_url, world_size, rank, local_rank, timeout)
+    _run_in_group(main_func, args, backend, dist_url, world_size, rank, local_rank, timeout, keep_result=False)
 
 
 def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optional[str] = "auto",
@@ -135,7 +152,8 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
 
     Returns:
         ``main_func``'s result when it runs in this process (not distributed, torchrun, SLURM);
-        None after spawning.
+        None after spawning. Return figures rather than the trainer: a DDP model still
+        referenced keeps the process group's threads alive until the interpreter shuts down.
 
     Raises:
         Exception: the failing rank's error (with its traceback); the other ranks are stopped.

@@ -1,8 +1,11 @@
-"""Image-folder data sets (``root/<class>/<image>``) with clear errors for bad folders."""
+"""Image-folder data sets (``root/<class>/<image>``) with clear errors for bad folders and files."""
+import logging
 import os
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from torch.utils.data import ConcatDataset, Dataset
+
+logger = logging.getLogger(__name__)
 
 _IMAGE_EXT = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -27,12 +30,40 @@ def _check_folder(root: str, key: str) -> List[str]:
     return classes
 
 
+def load_image(path: str) -> Any:
+    """Read an image as RGB; a damaged file (truncated, not an image) raises an error naming it."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:
+        raise OSError(f"cannot read image {path!r} ({type(e).__name__}: {e}); replace or delete the file, "
+                      f"or build the data set with image_folder(..., bad_images='skip')") from e
+
+
+def _skip_bad(dataset: Any) -> None:
+    """Drop the samples of ``dataset`` whose file cannot be read, with a warning per file."""
+    good = []
+    for path, target in dataset.samples:
+        try:
+            load_image(path)
+        except OSError as e:
+            logger.warning("skipping %s: %s", path, e.__cause__ or e)
+            continue
+        good.append((path, target))
+    dataset.samples = dataset.imgs = good
+    dataset.targets = [t for _, t in good]
+
+
 def image_folder(root: Union[str, Sequence[str]], transform: Optional[Callable] = None, key: str = "train_data",
-                 classes: Optional[List[str]] = None) -> Dataset:
+                 classes: Optional[List[str]] = None, bad_images: str = "raise") -> Dataset:
     """A torchvision ImageFolder (or several with the same classes, concatenated), checked first.
 
     The returned data set has ``.classes``. With ``classes`` given (the training classes), the
-    folder must hold the same ones.
+    folder must hold the same ones. A file that cannot be read (truncated, not an image) raises
+    an error naming it when it is loaded; ``bad_images="skip"`` instead reads every image once
+    here and leaves out the damaged ones, with a warning per file (slow on large data sets).
 
     Raises:
         FileNotFoundError / ValueError: missing folder, no class folders, an empty class, a
@@ -40,6 +71,8 @@ def image_folder(root: Union[str, Sequence[str]], transform: Optional[Callable] 
     """
     from torchvision.datasets import ImageFolder
 
+    if bad_images not in ("raise", "skip"):
+        raise ValueError(f"bad_images={bad_images!r} must be 'raise' (an error naming the file) or 'skip'")
     roots = [root] if isinstance(root, str) or root is None else list(root)
     if not roots:
         raise ValueError(f"{key} is empty: set it to a folder of class subfolders")
@@ -50,7 +83,9 @@ def image_folder(root: Union[str, Sequence[str]], transform: Optional[Callable] 
             raise ValueError(f"{key}={r!r} has classes {found}, but training uses {list(classes)}")
         if sets and found != sets[0].classes:
             raise ValueError(f"{key}: folders {roots[0]!r} and {r!r} have different classes")
-        sets.append(ImageFolder(r, transform=transform))
+        sets.append(ImageFolder(r, transform=transform, loader=load_image))
+        if bad_images == "skip":
+            _skip_bad(sets[-1])
     if len(sets) == 1:
         return sets[0]
     dataset = ConcatDataset(sets)

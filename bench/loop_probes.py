@@ -141,14 +141,21 @@ def callback_costs(run: Callable[[Callable[[Any], None]], Any]) -> Tuple[Dict[st
                 calls[key] += 1
         return wrapper
 
+    from basetrainer.engine import engine as engine_module
+
+    plain = engine_module.CallbackList
+
+    class TimedCallbackList(plain):  # the engine builds one per run: wrap its handlers
+        def __init__(self, callbacks: Any, trainer: Any) -> None:
+            super().__init__(callbacks, trainer)
+            for event, handlers in self.handlers.items():
+                self.handlers[event] = [(name, timed(f"{name}.{event}", h)) for name, h in handlers]
+
     def patch(bt: Any) -> None:
-        bind = bt._bind_callbacks
+        engine_module.CallbackList = TimedCallbackList
 
-        def bind_and_time() -> None:
-            bind()
-            for event, handlers in bt._handlers.items():
-                bt._handlers[event] = [(name, timed(f"{name}.{event}", h)) for name, h in handlers]
-        bt._bind_callbacks = bind_and_time
-
-    outcome = run(patch)
+    try:
+        outcome = run(patch)
+    finally:
+        engine_module.CallbackList = plain
     return {k: {"total_s": totals[k], "calls": calls[k]} for k in sorted(totals, key=lambda k: -totals[k])}, outcome

@@ -368,3 +368,36 @@ def test_accuracy_target_beyond_the_models_classes():
     rec.train.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 5]))   # 3 outputs, class 5
     with pytest.raises(ValueError, match="target class index is >= 3.*num_classes"):
         rec.compute(rec.train, reduce=False)
+
+
+# ------------------------------------------------------------------------------ damaged images
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_truncated_image_names_its_file(tmp_path, workers):
+    from torchvision import transforms
+    from torch.utils.data import DataLoader
+
+    root = make_image_folder(str(tmp_path / "train"), ["a", "b"], per_class=3, size=32)
+    bad = os.path.join(root, "b", "1.png")
+    with open(bad, "r+b") as f:
+        f.truncate(os.path.getsize(bad) // 2)
+    dataset = image_folder(root, transform=transforms.ToTensor(), key="train_data")
+    loader = DataLoader(dataset, batch_size=2, num_workers=workers)
+    with pytest.raises(Exception) as err:
+        for _ in loader:
+            pass
+    assert bad in str(err.value)
+
+
+def test_bad_images_can_be_skipped_with_a_warning_each(tmp_path, caplog):
+    from torchvision import transforms
+
+    root = make_image_folder(str(tmp_path / "train"), ["a", "b"], per_class=3, size=32)
+    bad = [os.path.join(root, "a", "0.png"), os.path.join(root, "b", "2.png")]
+    for path in bad:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    with caplog.at_level("WARNING", logger="basetrainer"):
+        dataset = image_folder(root, transform=transforms.ToTensor(), key="train_data", bad_images="skip")
+    assert len(dataset) == 4
+    assert all(path in caplog.text for path in bad)
+    assert all(x.shape == (3, 32, 32) for x, _ in dataset)

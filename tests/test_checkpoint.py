@@ -11,7 +11,7 @@ from torch import nn
 
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
-from basetrainer.engine import checkpoint
+from basetrainer.runtime import atomic, checkpoint
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.scheduler import build_scheduler
 from basetrainer.utils import torch_tools
@@ -57,7 +57,7 @@ def test_best_file_follows_max_accuracy(tmp_path):
     assert ckpt.best == 0.8 and ckpt.best_epoch == 3   # a tie does not replace the best
     saved = torch.load(tmp_path / "model" / "best_model_003_0.8000.pth", weights_only=True)
     assert_same_weights(saved, script.weights[3])
-    assert names(tmp_path / "model") == ["best_model_003_0.8000.pth", "last.pth"]
+    assert names(tmp_path / "model") == ["best_model_003_0.8000.pth", "last.prev.pth", "last.pth"]
 
 
 def test_best_file_follows_min_loss_inferred(tmp_path):
@@ -113,7 +113,10 @@ def test_last_pth_is_weights_only_and_complete(tmp_path):
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
     assert len(state["optimizer"]["state"]) == 4            # momentum buffers of 4 parameters
     assert state["config"]["batch_size"] == 16 and state["config"]["num_epochs"] == 2
-    assert state["callbacks"]["1:ModelCheckpoint"] == {"best": ckpt.best, "best_epoch": ckpt.best_epoch}
+    saved = state["callbacks"][f"ModelCheckpoint:model:Accuracy"]   # keyed by name, not list position
+    assert (saved["best"], saved["best_epoch"]) == (ckpt.best, ckpt.best_epoch)
+    assert saved["best_file"] == os.path.basename(ckpt.best_file)
+    assert set(state["callbacks"]) == {"AccuracyRecorder:Accuracy", "ModelCheckpoint:model:Accuracy"}
     assert len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}  # one per rank
     assert state["epoch_complete"] is True and state["batch"] == 3
     assert checkpoint.is_resumable(state)
@@ -153,7 +156,7 @@ def test_extract_state_dict_and_load_weights_strip_module_prefix(tmp_path):
 # ----------------------------------------------------------------------------- atomic save / safe load
 def test_atomic_save_keeps_old_file_when_save_fails(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pth")
-    checkpoint.atomic_save({"w": torch.arange(4.0)}, path)
+    atomic.atomic_save({"w": torch.arange(4.0)}, path)
     before = open(path, "rb").read()
 
     def broken_save(obj, f, *args, **kwargs):
@@ -162,7 +165,7 @@ def test_atomic_save_keeps_old_file_when_save_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.atomic_save({"w": torch.zeros(4)}, path)
+        atomic.atomic_save({"w": torch.zeros(4)}, path)
     monkeypatch.undo()
     assert open(path, "rb").read() == before
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(4.0))
@@ -205,7 +208,7 @@ def test_failed_background_write_stops_training_naming_the_file(tmp_path, monkey
     with pytest.raises(OSError, match="No space left") as info:
         t.run()
     notes = " ".join(getattr(info.value, "__notes__", []))
-    assert "epoch 1's checkpoints in " + str(tmp_path / "model") in notes
+    assert "the checkpoint of end of epoch 1 in " + str(tmp_path / "model") in notes
     assert t.epoch == 2        # raised at epoch 2's save, not at the end of training
     monkeypatch.undo()
     assert checkpoint.load_file(str(tmp_path / "model" / "last.pth"))["epoch"] == 0   # the old file is whole
@@ -220,20 +223,20 @@ def test_foreground_save_waits_for_the_background_one(tmp_path):
     def slow_old_write():
         started.set()
         release.wait(5)
-        checkpoint.write_atomically({"epoch": torch.tensor(1)}, path)
+        atomic.write_atomically({"epoch": torch.tensor(1)}, path)
 
-    checkpoint.write_in_background(slow_old_write)
+    atomic.write_in_background(slow_old_write)
     started.wait(5)
     timer = threading.Timer(0.3, release.set)
     timer.start()
-    checkpoint.atomic_save({"epoch": torch.tensor(2)}, path)   # e.g. the preemption save
+    atomic.atomic_save({"epoch": torch.tensor(2)}, path)   # e.g. the preemption save
     assert int(checkpoint.load_file(path)["epoch"]) == 2       # the newer state is the one kept
     timer.join()
 
 
 def test_snapshot_does_not_share_memory():
     live = {"w": torch.zeros(3), "nested": [torch.ones(2), 5, "x"], "t": (torch.zeros(1),)}
-    copy = checkpoint.snapshot(live)
+    copy = atomic.snapshot(live)
     live["w"].add_(1)
     live["nested"][0].add_(1)
     assert torch.equal(copy["w"], torch.zeros(3)) and torch.equal(copy["nested"][0], torch.ones(2))
@@ -270,13 +273,24 @@ def test_load_file_errors_name_the_file(tmp_path):
         torch_tools.load_state_dict(str(malicious))
 
 
-def test_find_latest_skips_unloadable_and_weights_only_files(tmp_path):
-    ckpt = ModelCheckpoint(model_dir=str(tmp_path / "model"), indicator="Accuracy", start_save=-1)
-    ToyTrainer(toy_cfg(n_train=16, n_test=16, num_epochs=1), callbacks=[AccuracyRecorder(), ckpt]).run()
-    torn = tmp_path / "model" / "zz_newer.pth"
-    torn.write_bytes(b"PK\x03\x04torn")
-    os.utime(torn, (2e9, 2e9))
-    assert checkpoint.find_latest(str(tmp_path)) == str(tmp_path / "model" / "last.pth")
+def test_find_resumable_takes_the_newest_loadable_checkpoint(tmp_path, caplog):
+    folder = checkpoint.CheckpointFolder(str(tmp_path))
+    assert folder.find_resumable() is None                       # an empty folder: nothing to resume
+    ckpt = ModelCheckpoint(model_dir=str(tmp_path), indicator="Accuracy", start_save=-1, async_save=False)
+    ToyTrainer(toy_cfg(n_train=16, n_test=16, num_epochs=2), callbacks=[AccuracyRecorder(), ckpt]).run()
+    path, state = folder.find_resumable()
+    assert (path, state["epoch"]) == (folder.last, 1)
+    assert checkpoint.load_file(folder.previous)["epoch"] == 0   # the one before is kept
+    with open(folder.last, "r+b") as f:                          # torn by something outside the run
+        f.truncate(100)
+    with caplog.at_level("WARNING"):
+        path, state = folder.find_resumable()
+    assert (path, state["epoch"]) == (folder.previous, 0)
+    assert "last.pth" in caplog.text and "last.prev.pth" in caplog.text
+    torch.save({"w": torch.zeros(2)}, folder.previous)          # weights only: not resumable
+    with pytest.raises(ValueError) as info:
+        folder.find_resumable()
+    assert "last.pth" in str(info.value) and "last.prev.pth" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- resume / finetune

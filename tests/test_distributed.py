@@ -15,7 +15,7 @@ from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.dataloader.loader import ShardSampler
-from basetrainer.engine import comm
+from basetrainer.runtime import comm
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 
 from conftest import ROOT, ToyTrainer, blobs, free_port, make_image_folder, run_distributed, toy_cfg
@@ -331,7 +331,7 @@ PREEMPT_SCRIPT = textwrap.dedent("""
 
 
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
-    from basetrainer.engine import checkpoint
+    from basetrainer.runtime import checkpoint
 
     script = tmp_path / "preempt.py"
     script.write_text(PREEMPT_SCRIPT.format(tests=os.path.join(ROOT, "tests")))

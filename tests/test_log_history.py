@@ -41,15 +41,17 @@ def test_tensorboard_scalars_equal_history(logged):
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/Accuracy", "test/loss", "test/Accuracy", "lr", "train_step/loss",
-            "train_step/Accuracy", "train_step/lr"} <= tags
+    assert {"train/loss", "train/Accuracy", "test/loss", "test/Accuracy", "lr"} <= tags
+    steps = EventAccumulator(os.path.join(str(log_dir), "steps"))   # step scalars: their own x axis
+    steps.Reload()
+    assert {"train_step/loss", "train_step/Accuracy", "train_step/lr"} <= set(steps.Tags()["scalars"])
     for tag in ("train/loss", "train/Accuracy", "test/loss", "test/Accuracy", "lr"):
         events = acc.Scalars(tag)
         assert [e.step for e in events] == list(range(EPOCHS))
         assert [e.value for e in events] == pytest.approx(history[tag], rel=1e-6, abs=1e-7)
     assert [e.value for e in acc.Scalars("lr")] == pytest.approx([0.1, 0.01, 0.001])
     # train_step scalars every log_freq=2 steps: x = epoch * 5 + step, steps 2 and 4 of each epoch
-    assert [e.step for e in acc.Scalars("train_step/loss")] == [e * STEPS + s for e in range(EPOCHS) for s in (2, 4)]
+    assert [e.step for e in steps.Scalars("train_step/loss")] == [e * STEPS + s for e in range(EPOCHS) for s in (2, 4)]
     assert t.log_freq == 2  # LogHistory sets how often the recorders publish running figures
 
 

@@ -15,7 +15,7 @@ from basetrainer.callbacks.early_stopping import EarlyStopping
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.callbacks.model_ema import ModelEMA
-from basetrainer.engine import checkpoint
+from basetrainer.runtime import checkpoint
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 
 from conftest import ROOT, ToyTrainer, run_distributed, toy_cfg
@@ -109,17 +109,17 @@ def test_sigterm_saves_mid_epoch_and_resume_is_exact(tmp_path, script):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from basetrainer.engine import checkpoint
+    from basetrainer.runtime import atomic, checkpoint
     path = sys.argv[1]
     state = {"format": checkpoint.FORMAT, "epoch": 0, "model": {"w": torch.zeros(4_000_000)}}
-    checkpoint.atomic_save(state, path)
+    atomic.atomic_save(state, path)
     print("ready", flush=True)
     i = 0
     while True:
         i += 1
         state["epoch"] = i
         state["model"]["w"].fill_(i)
-        checkpoint.atomic_save(state, path)
+        atomic.atomic_save(state, path)
 """)
 
 
@@ -133,7 +133,7 @@ def test_kill_while_writing_leaves_last_pth_loadable(tmp_path):
     state = checkpoint.load_file(str(path))
     assert state["model"]["w"].shape == (4_000_000,)
     assert float(state["model"]["w"][0]) == state["epoch"]  # a whole write, not a mix
-    assert checkpoint.find_latest(str(tmp_path)) == str(path)
+    assert checkpoint.CheckpointFolder(str(tmp_path)).find_resumable()[0] == str(path)
 
 
 class _FakeLoss(Callback):

@@ -198,10 +198,15 @@ def test_state_dict_round_trip():
     t, lrs = run_lrs(scheduler="cosine", num_warn_up=1)
     state = t.sched.state_dict()
     assert state == {"last_step": 3 * STEPS - 1, "base_lrs": [LR]}
-    fresh = make_sched("cosine", num_epochs=3, num_warn_up=1, lr=0.3)
+    fresh = make_sched("cosine", num_epochs=3, num_warn_up=1, lr=LR)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
     assert [fresh.lr_at(s)[0] for s in range(3 * STEPS)] == approx_list(lrs)
+    # a schedule built for another lr keeps it: a changed lr takes effect on resume
+    other = make_sched("cosine", num_epochs=3, num_warn_up=1, lr=0.3)
+    other.load_state_dict(state)
+    assert other.state_dict() == {"last_step": 3 * STEPS - 1, "base_lrs": [0.3]}
+    assert [other.lr_at(s)[0] for s in range(3 * STEPS)] == approx_list([lr * 3 for lr in lrs])
 
 
 def test_resumed_run_sees_the_same_lrs():

@@ -1,7 +1,15 @@
-"""The :class:`Callback` base class: the events of the loop, in the order the engine calls them."""
-from typing import Any, Dict, Optional
+"""The :class:`Callback` base class: the events of the loop, in the order the engine calls them;
+and :class:`CallbackList`, the one dispatcher of those events."""
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+_logger = logging.getLogger(__name__)
+
+EVENTS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_batch_prepare",
+          "on_batch_begin", "on_batch_end", "on_train_summary", "on_test_begin", "on_test_summary",
+          "on_test_end")
 
 
 class Callback:
@@ -52,7 +60,7 @@ class Callback:
         override = self.__dict__.get("_is_main_process")
         if override is not None:
             return override
-        from basetrainer.engine import comm
+        from basetrainer.runtime import comm
 
         return comm.is_main_process()
 
@@ -68,8 +76,16 @@ class Callback:
     def set_model(self, model: torch.nn.Module) -> None:
         self.model = model
 
+    @property
+    def state_key(self) -> str:
+        """The name of this callback's state in a checkpoint: its class name by default;
+        callbacks of which a trainer may hold several add what tells them apart (e.g.
+        ModelCheckpoint's folder and indicator). Override it to keep a state across a rename."""
+        return type(self).__name__
+
     def state_dict(self) -> Dict[str, Any]:
-        """State to save in a resumable checkpoint (tensors, numbers, strings, lists, dicts)."""
+        """State to save in a resumable checkpoint (tensors, numbers, strings, lists, dicts),
+        restored by :meth:`load_state_dict` on resume, matched by :attr:`state_key`."""
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -109,6 +125,58 @@ class Callback:
 
     def on_test_end(self, logs: Optional[dict] = None) -> None:
         pass
+
+
+class CallbackList:
+    """The callbacks of one run, bound to the trainer, and the one dispatcher of the events.
+
+    Args:
+        callbacks: the callbacks, in the order they are called (None entries are skipped).
+        trainer: given to each callback (``set_trainer``, or ``set_model`` for callbacks that
+            only know the model).
+    """
+
+    def __init__(self, callbacks: Sequence[Any], trainer: Any) -> None:
+        self.callbacks = [c for c in callbacks if c is not None]
+        for cb in self.callbacks:
+            if hasattr(cb, "set_trainer"):
+                cb.set_trainer(trainer)
+            elif hasattr(cb, "set_model"):
+                cb.set_model(trainer.model)
+        # per event, only the callbacks that implement it (an empty base method costs a call)
+        self.handlers: Dict[str, List[Tuple[str, Any]]] = {}
+        for event in EVENTS:
+            base = getattr(Callback, event)
+            self.handlers[event] = [(type(cb).__name__, getattr(cb, event)) for cb in self.callbacks
+                                    if getattr(type(cb), event, base) is not base and hasattr(cb, event)]
+
+    def call(self, event: str, *args: Any) -> None:
+        """Call ``event`` on every callback in list order; a failure names the callback."""
+        for name, handler in self.handlers.get(event, ()):
+            try:
+                handler(*args)
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python 3.11+
+                    e.add_note(f"raised in callback {name}.{event}")
+                raise
+
+    def call_all(self, event: str, *args: Any, raise_first: bool = True) -> None:
+        """Call ``event`` on every callback even when some fail: the first error is raised
+        after all ran (``raise_first=False``: every error is logged instead, e.g. when another
+        error is already on its way)."""
+        first: Optional[BaseException] = None
+        for name, handler in self.handlers.get(event, ()):
+            try:
+                handler(*args)
+            except Exception as e:
+                if raise_first and first is None:
+                    if hasattr(e, "add_note"):
+                        e.add_note(f"raised in callback {name}.{event}")
+                    first = e
+                else:
+                    _logger.exception("%s.%s failed", name, event)
+        if first is not None:
+            raise first
 
 
 def resolve_indicator(indicator: str, trainer: Any) -> str:

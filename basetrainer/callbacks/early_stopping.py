@@ -38,6 +38,10 @@ class EarlyStopping(Callback):
         self.wait = 0
         self.stopped_epoch: Optional[int] = None
 
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping:{self.indicator}"
+
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         key = resolve_indicator(self.indicator, self.trainer)
         if not logs or key not in logs:

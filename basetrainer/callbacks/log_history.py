@@ -1,12 +1,14 @@
 """Console/file log lines, TensorBoard scalars, history.csv and a PNG of the curves."""
 import csv
+import glob
+import io
 import logging
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from basetrainer.callbacks.callbacks import Callback, batch_size_of
-from basetrainer.engine import comm
+from basetrainer.runtime import atomic, comm
 
 _logger = logging.getLogger(__name__)
 
@@ -26,6 +28,11 @@ class LogHistory(Callback):
       ``<log_dir>/history.csv``;
     - at train end ``<log_dir>/history.png`` (loss, accuracy and LR curves) when matplotlib
       is installed.
+
+    Everything continues across a resume: the rows of history.csv are part of the checkpoint
+    (epochs after it, written by the killed run, are dropped and trained again), and
+    TensorBoard is told to purge the events written after the checkpoint (``purge_step``), so
+    each epoch appears once. Step scalars go to ``<log_dir>/steps`` (their own x axis).
 
     Args:
         log_dir: folder for TensorBoard events, history.csv and history.png.
@@ -54,6 +61,23 @@ class LogHistory(Callback):
         self._t_train = self._t_epoch = self._t_window = 0.0
         self._samples_window = 0
         self._steps_done = 0
+        self.step_writer: Any = None
+
+    @property
+    def state_key(self) -> str:
+        return f"LogHistory:{os.path.basename(os.path.normpath(self.log_dir))}"
+
+    def run_files(self) -> List[str]:
+        """history.csv, history.png and TensorBoard events in ``log_dir`` (an earlier run's, at start)."""
+        names = [os.path.join(self.log_dir, n) for n in ("history.csv", "history.png")]
+        events = glob.glob(os.path.join(self.log_dir, "**", "events.out.tfevents.*"), recursive=True)
+        return sorted([p for p in names if os.path.exists(p)] + events)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"rows": [dict(r) for r in self.rows]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.rows = [dict(r) for r in state.get("rows") or []]
 
     # ---------------------------------------------------------------- helpers
     def _shown(self, logs: dict, phase: str) -> Dict[str, float]:
@@ -66,7 +90,8 @@ class LogHistory(Callback):
                 out[name] = value
         return out
 
-    def _open_writer(self) -> None:
+    def _open_writer(self, epoch: int, step: int) -> None:
+        """TensorBoard writers whose events from ``epoch`` / ``step`` on replace older ones."""
         if not self.tensorboard:
             return
         try:
@@ -74,7 +99,11 @@ class LogHistory(Callback):
         except ImportError as e:  # tensorboard is a dependency, but keep training if it is broken
             self.logger.warning("TensorBoard unavailable (%s): no event files are written", e)
             return
-        self.writer = SummaryWriter(log_dir=self.log_dir)
+        epochs_before = glob.glob(os.path.join(self.log_dir, "events.out.tfevents.*"))
+        steps_dir = os.path.join(self.log_dir, "steps")
+        steps_before = glob.glob(os.path.join(steps_dir, "events.out.tfevents.*"))
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=epoch if epochs_before else None)
+        self.step_writer = SummaryWriter(log_dir=steps_dir, purge_step=step if steps_before else None)
 
     # ---------------------------------------------------------------- events
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
@@ -82,10 +111,12 @@ class LogHistory(Callback):
             self.trainer.log_freq = self.log_freq
         self._t_train = time.perf_counter()
         self._steps_done = 0
-        self.rows = []
+        start = getattr(self.trainer, "start_epoch", 0)
+        self.rows = [r for r in self.rows if r.get("epoch", 0) < start]   # a resume keeps the epochs before it
         if self.is_main_process:
             os.makedirs(self.log_dir, exist_ok=True)
-            self._open_writer()
+            steps = len(self.trainer.train_loader) if getattr(self.trainer, "train_loader", None) is not None else 0
+            self._open_writer(start, start * steps + getattr(self.trainer, "batch_in_epoch", 0) + 1)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._t_epoch = self._t_window = time.perf_counter()
@@ -113,12 +144,12 @@ class LogHistory(Callback):
         self.logger.info("epoch %d/%d step %d/%d %s%s | %.1f samples/s | ETA %s", trainer.epoch,
                          trainer.num_epochs, batch + 1, steps, text, f" lr: {lr:.6g}" if lr is not None else "",
                          rate, _fmt_time(eta))
-        if self.writer is not None:
+        if self.step_writer is not None:
             step = trainer.epoch * steps + batch + 1
             for name, value in figures.items():
-                self.writer.add_scalar(f"train_step/{name}", value, step)
+                self.step_writer.add_scalar(f"train_step/{name}", value, step)
             if lr is not None:
-                self.writer.add_scalar("train_step/lr", lr, step)
+                self.step_writer.add_scalar("train_step/lr", lr, step)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if not self.is_main_process:
@@ -140,9 +171,10 @@ class LogHistory(Callback):
         self._write_csv()
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for writer in (self.writer, self.step_writer):
+            if writer is not None:
+                writer.close()
+        self.writer = self.step_writer = None
         if self.is_main_process and self.rows:
             self.plot()
 
@@ -151,11 +183,11 @@ class LogHistory(Callback):
         keys: List[str] = []
         for row in self.rows:
             keys += [k for k in row if k not in keys]
-        path = os.path.join(self.log_dir, "history.csv")
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(self.rows)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(self.rows)
+        atomic.write_atomically(text.getvalue(), os.path.join(self.log_dir, "history.csv"))
 
     def plot(self) -> Optional[str]:
         """Draw loss, accuracy-like and LR curves to ``<log_dir>/history.png`` (needs matplotlib)."""
@@ -181,7 +213,7 @@ class LogHistory(Callback):
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        path = os.path.join(self.log_dir, "history.png")
-        fig.savefig(path, dpi=100)
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=100)
         plt.close(fig)
-        return path
+        return atomic.write_atomically(image.getvalue(), os.path.join(self.log_dir, "history.png"))

@@ -4,7 +4,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, batch_size_of
-from basetrainer.engine import comm
+from basetrainer.runtime import comm
 
 
 class RunningSums:
@@ -78,6 +78,10 @@ class LossesRecorder(Callback):
         self.indicator = indicator
         self.train = RunningSums()
         self.test = RunningSums()
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__name__}:{self.indicator}"
 
     def _values(self, losses: Any) -> Dict[str, torch.Tensor]:
         values = loss_parts(losses, self.indicator)

@@ -1,31 +1,41 @@
 """Saving the model: the latest resumable state, the best weights, and per-epoch weights."""
 import glob
 import logging
+import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, infer_mode, resolve_indicator
-from basetrainer.engine import checkpoint, comm
-from basetrainer.engine.engine import unwrap_model
+from basetrainer.runtime import atomic
+from basetrainer.runtime.modules import unwrap_model
 
 _logger = logging.getLogger(__name__)
 
 
 class ModelCheckpoint(Callback):
-    """Writes, at each epoch end (main process only, every file atomically):
+    """At each epoch end it asks the trainer for ``last.pth`` and writes (main process only,
+    every file atomically, in the background writer thread unless ``async_save=False``):
 
-    - ``last.pth``: everything a resume needs (model, optimizer, scaler, epoch, step, callback
-      states, RNG states, config); ``resume: auto`` picks it up;
     - ``best_model_<epoch>_<value>.pth``: the weights (an unwrapped ``state_dict``) of the best
-      epoch by ``indicator`` (the previous best file is removed);
+      epoch by ``indicator``; a NaN or infinite figure is never best;
     - ``model_<epoch>_<value>.pth``: the weights of each epoch from ``start_save`` on; with
-      ``start_save`` None or -1 only the last ``keep`` epochs are kept, with 0 none are written.
+      ``start_save`` None or -1 only the last ``keep`` epochs are kept, with 0 none are written;
+    - ``last.pth`` (written by the trainer once per save, however many ModelCheckpoints there
+      are, after every callback's ``on_epoch_end``): everything a resume needs, and the
+      previous one kept as ``last.prev.pth``.
+
+    The weights files are on disk before ``last.pth`` records them, and a file is deleted only
+    after ``last.pth`` stops referring to it, so no crash loses the best model. It only ever
+    deletes files it wrote itself (its state remembers them across a resume); two
+    ModelCheckpoints sharing a folder put their indicator in their file names
+    (``best_model_<indicator>_...``).
 
     Args:
-        model: the model (wrappers are looked through); default the trainer's.
-        optimizer: the optimizer (saved in ``last.pth``); default the trainer's.
+        model: the model whose weights files are written (wrappers are looked through);
+            default the trainer's (``last.pth`` always holds the trainer's).
+        optimizer: kept for compatibility (``last.pth`` holds the trainer's optimizer).
         moder_dir: the folder (the original project's spelling; ``model_dir`` is accepted too).
         epochs: total epochs (informational; kept for compatibility).
         start_save: see above.
@@ -39,9 +49,8 @@ class ModelCheckpoint(Callback):
             resume then continues inside the epoch, skipping the batches already trained.
         async_save: copy the state to CPU memory (a few ms) and write the files in a background
             thread while training goes on (default); they are complete when training ends (and
-            before any later checkpoint is written); the copy is freed once written. ``False``
-            writes them before ``on_epoch_end`` returns, with no copy. A failed background
-            write is raised at the next save or at the end of training.
+            before any later checkpoint is written). ``False`` writes them before the epoch
+            ends. A failed background write is raised at the next save or at the end.
 
     Example::
 
@@ -66,6 +75,8 @@ class ModelCheckpoint(Callback):
         if start_save is not None and (not isinstance(start_save, int) or start_save < -1):
             raise ValueError(f"start_save={start_save!r} must be None, -1 (keep the last {keep}), 0 (none) "
                              f"or the first epoch to save")
+        if not isinstance(save_freq_steps, int) or save_freq_steps < 0:
+            raise ValueError(f"save_freq_steps={save_freq_steps!r} must be an integer >= 0 (0 = only at epoch ends)")
         self._model = model
         self.optimizer = optimizer
         self.model_dir = folder
@@ -76,28 +87,49 @@ class ModelCheckpoint(Callback):
         self.mode = mode
         self.keep = int(kwargs.get("model_nums", keep))
         self.best_save = best_save if best_save is not None else -1
+        self.save_freq_steps = save_freq_steps
+        self.async_save = bool(async_save)
         self.best: Optional[float] = None
         self.best_epoch: Optional[int] = None
         self.best_file: Optional[str] = None
-        if not isinstance(save_freq_steps, int) or save_freq_steps < 0:
-            raise ValueError(f"save_freq_steps={save_freq_steps!r} must be an integer >= 0 (0 = only at epoch ends)")
-        self.save_freq_steps = save_freq_steps
-        self.async_save = bool(async_save)
+        self.epoch_files: List[str] = []     # per-epoch files written by this callback, oldest first
+        self._superseded: List[str] = []     # files to delete once the next last.pth is written
+        self._tag = ""
 
     @property
     def moder_dir(self) -> str:  # the original project's attribute name
         return self.model_dir
 
-    def _weights(self) -> Dict[str, torch.Tensor]:
-        model = self._model if self._model is not None else self.trainer.model
-        return unwrap_model(model).state_dict()
+    @property
+    def state_key(self) -> str:
+        return f"ModelCheckpoint:{os.path.basename(os.path.normpath(self.model_dir))}:{self.indicator}"
+
+    def run_files(self) -> List[str]:
+        """The weights and checkpoint files in this callback's folder (an earlier run's, at start)."""
+        return sorted(p for p in glob.glob(os.path.join(self.model_dir, "*.pth")))
+
+    def _path(self, name: Optional[str]) -> Optional[str]:
+        return os.path.join(self.model_dir, name) if name else None
 
     def _improved(self, value: float) -> bool:
-        if value != value:  # NaN never improves
+        if not math.isfinite(value):  # NaN and inf are never best
             return False
         if self.best is None:
             return True
         return value > self.best if self.mode == "max" else value < self.best
+
+    # ---------------------------------------------------------------- events
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        others = [c for c in getattr(self.trainer, "callbacks", None) or []
+                  if isinstance(c, ModelCheckpoint) and c is not self
+                  and os.path.abspath(c.model_dir) == os.path.abspath(self.model_dir)]
+        self._tag = "".join(ch if ch.isalnum() else "_" for ch in self.indicator or "weights") if others else ""
+        if self.is_main_process:
+            if self.best_epoch is not None and self.best_file is None:  # a 2.0 checkpoint: find its best file
+                found = glob.glob(os.path.join(self.model_dir, f"best_model_{self.best_epoch:03d}_*.pth"))
+                self.best_file = found[0] if len(found) == 1 else None
+            self._remove(self._superseded)  # left by a run killed after its last.pth was written
+            self._superseded = []
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         logs = logs or {}
@@ -109,103 +141,83 @@ class ModelCheckpoint(Callback):
                                f"figures present: {sorted(k for k in logs if '/' in k)}. Add the recorder "
                                f"that writes it, or change indicator")
             value = float(logs[key])
-        improved = value is not None and epoch >= self.best_save and self._improved(value)
-        if improved:
-            self.best, self.best_epoch = value, epoch
-        rngs = comm.all_gather_object(checkpoint.rng_state())  # on every rank: it is a collective
-        if not self.is_main_process:
-            return
-        os.makedirs(self.model_dir, exist_ok=True)
+        tag = f"{self._tag}_" if self._tag else ""
         suffix = f"_{value:.4f}" if value is not None else ""
         epoch_file = best_file = None
+        superseded: List[str] = []
         if self.start_save != 0 and epoch >= max(self.start_save, 0):
-            epoch_file = os.path.join(self.model_dir, f"model_{epoch:03d}{suffix}.pth")
-        if improved:
-            best_file = os.path.join(self.model_dir, f"best_model_{epoch:03d}{suffix}.pth")
-            self.best_file = best_file
-        state = self._last_state(epoch, rngs)
-        shared = self._saves_trainer_model(state)   # last.pth's model is the weights files' model
-        weights = None
-        if epoch_file or best_file:
-            weights = state["model"] if shared else self._weights()
-        if self.async_save:  # copy now (training changes the tensors in place), write later
-            # (a new copy each time, freed when written: keeping one to overwrite would save
-            # ~20 ms per resnet18 epoch, but made every later step ~5% slower in the benchmark)
-            state = checkpoint.snapshot(state)
-            weights = state["model"] if shared and weights is not None else checkpoint.snapshot(weights)
-            checkpoint.write_in_background(
-                lambda: self._write_files(epoch, value, state, weights, epoch_file, best_file),
-                what=f"epoch {epoch}'s checkpoints in {self.model_dir}")
-        else:
-            checkpoint.wait_for_writes()
-            self._write_files(epoch, value, state, weights, epoch_file, best_file)
+            epoch_file = os.path.join(self.model_dir, f"model_{tag}{epoch:03d}{suffix}.pth")
+            self.epoch_files = [f for f in self.epoch_files if f != os.path.basename(epoch_file)]
+            self.epoch_files.append(os.path.basename(epoch_file))
+            if self.start_save == -1:
+                cut = max(len(self.epoch_files) - self.keep, 0) if self.keep > 0 else len(self.epoch_files)
+                superseded += self.epoch_files[:cut]
+                self.epoch_files = self.epoch_files[cut:]
+        if value is not None and epoch >= self.best_save and self._improved(value):
+            best_file = os.path.join(self.model_dir, f"best_model_{tag}{epoch:03d}{suffix}.pth")
+            if self.best_file and os.path.basename(self.best_file) != os.path.basename(best_file):
+                superseded.append(os.path.basename(self.best_file))
+            self.best, self.best_epoch, self.best_file = value, epoch, best_file
+        self._superseded = superseded
+        self.trainer.request_checkpoint(background=self.async_save)   # every rank: it gathers RNG states
+        if not self.is_main_process or not (epoch_file or best_file or superseded):
+            return
+        own = self._model is not None and unwrap_model(self._model) is not unwrap_model(self.trainer.model)
+        weights = self._weights_copy() if own and (epoch_file or best_file) else None
 
-    def _saves_trainer_model(self, state: dict) -> bool:
-        """Whether the weights files hold the same model as ``last.pth`` (then one state_dict,
-        and one copy of it, serves both)."""
-        if not isinstance(state.get("model"), dict) or self.trainer is None:
-            return False
-        return self._model is None or unwrap_model(self._model) is unwrap_model(self.trainer.model)
+        def write(state: dict) -> None:  # before last.pth (in the writer thread when async)
+            self._write_files(weights if own else state["model"], epoch, value, epoch_file, best_file)
 
-    def _write_files(self, epoch: int, value: Optional[float], state: dict, weights: Optional[dict],
-                     epoch_file: Optional[str], best_file: Optional[str]) -> None:
-        """Write ``last.pth``, the epoch's weights and the best weights (in the writer thread
-        when ``async_save``)."""
-        last = os.path.join(self.model_dir, "last.pth")
-        checkpoint.write_atomically(state, last)
-        self.logger.debug("saved %s (epoch %d)", last, epoch)
-        if epoch_file is not None:
-            checkpoint.write_atomically(weights, epoch_file)
-        if best_file is not None:
-            self._write_best(best_file, epoch_file, weights)
-            for old in glob.glob(os.path.join(self.model_dir, "best_model_*.pth")):
-                if os.path.abspath(old) != os.path.abspath(best_file):
-                    os.remove(old)
-            self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, best_file)
-        if epoch_file is not None and self.start_save == -1:
-            self._prune_epoch_files()
+        self.trainer.checkpoint_folder().stage(write, cleanup=lambda: self._remove(superseded),
+                                               background=self.async_save)
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.save_freq_steps and (batch + 1) % self.save_freq_steps == 0:
-            self.trainer.save_checkpoint(os.path.join(self.model_dir, "last.pth"), background=self.async_save)
+            self.trainer.save_checkpoint(background=self.async_save)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
-        checkpoint.wait_for_writes()  # every file is complete when training returns
+        atomic.wait_for_writes()  # every file is complete when training returns
 
-    def _write_best(self, path: str, epoch_file: Optional[str], weights: Optional[dict]) -> None:
-        """The best weights: a hard link to this epoch's file when there is one (no second
-        write of the same bytes), else a new file."""
-        if os.path.exists(path):
-            os.remove(path)
-        try:
-            if epoch_file is None:
-                raise OSError("no per-epoch file to link")
-            os.link(epoch_file, path)
-        except OSError:
-            checkpoint.write_atomically(weights, path)
+    # ---------------------------------------------------------------- files
+    def _weights_copy(self) -> Dict[str, torch.Tensor]:
+        weights = unwrap_model(self._model).state_dict()
+        return atomic.snapshot(weights) if self.async_save else weights
 
-    def _last_state(self, epoch: int, rngs: Optional[list] = None) -> dict:
-        trainer = self.trainer
-        if trainer is not None and hasattr(trainer, "state_dict"):
-            return trainer.state_dict(rng=rngs)
-        return {"format": checkpoint.FORMAT, "epoch": epoch, "model": self._weights(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
+    def _write_files(self, weights: Dict[str, torch.Tensor], epoch: int, value: Optional[float],
+                     epoch_file: Optional[str], best_file: Optional[str]) -> None:
+        if epoch_file is not None:
+            atomic.write_atomically(weights, epoch_file)
+        if best_file is not None:  # a hard link to this epoch's file when there is one
+            if epoch_file is not None:
+                atomic.link_atomically(epoch_file, best_file, content=weights)
+            else:
+                atomic.write_atomically(weights, best_file)
+            self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, best_file)
 
-    def save_last(self, epoch: int, rngs: Optional[list] = None) -> str:
-        """Write the resumable ``last.pth`` now (after any background write)."""
-        path = os.path.join(self.model_dir, "last.pth")
-        checkpoint.atomic_save(self._last_state(epoch, rngs), path)
-        self.logger.debug("saved %s (epoch %d)", path, epoch)
-        return path
+    def _remove(self, names: List[str]) -> None:
+        """Delete files this callback wrote and no longer needs (never the current ones)."""
+        keep = {os.path.basename(self.best_file or "")} | set(self.epoch_files)
+        for name in names:
+            if name in keep:
+                continue
+            try:
+                os.remove(os.path.join(self.model_dir, name))
+            except FileNotFoundError:
+                pass
 
-    def _prune_epoch_files(self) -> None:
-        files = sorted(glob.glob(os.path.join(self.model_dir, "model_[0-9][0-9][0-9]*.pth")))
-        for old in files[:-self.keep] if self.keep > 0 else files:
-            os.remove(old)
+    def save_last(self, epoch: Optional[int] = None, rngs: Optional[list] = None) -> Optional[str]:
+        """Write the resumable ``last.pth`` now (every rank calls it); returns its path."""
+        return self.trainer.save_checkpoint()
 
+    # ---------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        return {"best": self.best, "best_epoch": self.best_epoch}
+        return {"best": self.best, "best_epoch": self.best_epoch,
+                "best_file": os.path.basename(self.best_file) if self.best_file else None,
+                "epoch_files": list(self.epoch_files), "superseded": list(self._superseded)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.best = state.get("best")
         self.best_epoch = state.get("best_epoch")
+        self.best_file = self._path(state.get("best_file"))
+        self.epoch_files = list(state.get("epoch_files") or [])
+        self._superseded = list(state.get("superseded") or [])

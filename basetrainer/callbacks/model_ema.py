@@ -4,7 +4,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from basetrainer.callbacks.callbacks import Callback
-from basetrainer.engine.engine import unwrap_model
+from basetrainer.runtime.modules import unwrap_model
 
 
 class ModelEMA(Callback):

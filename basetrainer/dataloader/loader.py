@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from basetrainer.engine import comm
+from basetrainer.runtime import comm
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +105,33 @@ def check_equal_lengths(loader: Any) -> None:
         raise RuntimeError(f"ranks have different numbers of train batches {lengths}: DDP would hang. "
                            f"Use build_dataloader (it pads the train set evenly) or give every rank "
                            f"the same number of samples")
+
+
+def set_epoch(loader: Any, epoch: int, seed: int, rank: int) -> None:
+    """Tell ``loader``'s (distributed) samplers which epoch it is, so they reshuffle, and seed
+    its worker generator from (seed, epoch, rank)."""
+    done: list = []  # a DataLoader's batch_sampler usually wraps the same sampler: call it once
+    for holder in (loader, getattr(loader, "batch_sampler", None)):
+        sampler = getattr(holder, "sampler", None)
+        if hasattr(sampler, "set_epoch") and not any(sampler is s for s in done):
+            sampler.set_epoch(epoch)
+            done.append(sampler)
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed((int(seed) * 1000003 + epoch * 7919 + rank) % 2 ** 63)
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = False, channels_last: bool = False) -> Any:
+    """``batch`` (tensors in tuples, named tuples, lists and dicts) on ``device``; 4-D float
+    tensors in the channels-last memory format when ``channels_last``."""
+    if isinstance(batch, torch.Tensor):
+        if channels_last and batch.dim() == 4 and batch.is_floating_point():
+            return batch.to(device, non_blocking=non_blocking, memory_format=torch.channels_last)
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device, non_blocking, channels_last) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking, channels_last) for v in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking, channels_last) for k, v in batch.items()}
+    return batch

@@ -17,6 +17,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from basetrainer.engine.spawn import spawn
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -199,26 +201,6 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
     backend = _pick_backend(backend, num_gpus_per_machine)
     url = _resolve_url(dist_url, num_machines)
     world_size = num_machines * num_gpus_per_machine
-    _spawn(_worker, num_gpus_per_machine,
+    spawn(_worker, num_gpus_per_machine,
            (main_func, args, world_size, num_gpus_per_machine, machine_rank, backend, url, timeout))
     return None
-
-
-def _spawn(fn: Callable, nprocs: int, args: Tuple) -> None:
-    """Start ``nprocs`` processes; when one fails (or on Ctrl-C) stop them all and raise."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    try:
-        while not context.join():
-            pass
-    except BaseException:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in context.processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        raise

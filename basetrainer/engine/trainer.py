@@ -1,15 +1,18 @@
 """EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
 import logging
-import os
 from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from basetrainer.callbacks.progress_bar import ProgressBar
 from basetrainer.dataloader import loader as data
-from basetrainer.engine import checkpoint, comm, sync_batchnorm
-from basetrainer.engine.engine import Engine, ModelWithLoss
+from basetrainer.engine import resume
+from basetrainer.engine.engine import Engine
+from basetrainer.models import sync_batchnorm
+from basetrainer.runtime import comm
+from basetrainer.runtime.modules import ModelWithLoss
 from basetrainer.utils import setup_config, torch_tools
 
 logger = logging.getLogger(__name__)
@@ -24,7 +27,9 @@ class EngineTrainer(Engine):
     ``__init__`` and ``run()``.
 
     ``__init__`` fills the config's missing engine keys with their defaults, checks them, seeds
-    every generator with ``cfg.seed`` and works out the process's rank, world size and device.
+    every generator with ``cfg.seed``, works out the process's rank, world size and device, and
+    refuses a new run in a ``work_dir`` that holds another run's checkpoints (``resume: auto``
+    continues it; ``overwrite: true`` moves it aside), before the script writes anything there.
 
     Example::
 
@@ -69,6 +74,7 @@ class EngineTrainer(Engine):
         self.local_rank = comm.get_local_rank()
         self.gpu_id = list(cfg.gpu_id or [])
         self.device = self._select_device(self.gpu_id, bool(cfg.distributed))
+        resume.claim_work_dir(cfg)
 
     def _select_device(self, gpu_id: List[int], distributed: bool) -> torch.device:
         global _warned_no_cuda
@@ -200,104 +206,14 @@ class EngineTrainer(Engine):
             return nn.DataParallel(model, device_ids=gpu_id)
         return model
 
-    # ----------------------------------------------------------------------------- state
-    def state_dict(self, rng: Optional[List[dict]] = None) -> dict:
-        """Everything a resume needs, in weights-only types (see :mod:`basetrainer.engine.checkpoint`).
-
-        Args:
-            rng: every rank's RNG states (``comm.all_gather_object(checkpoint.rng_state())``,
-                gathered on all ranks); default this process's only.
-        """
-        callbacks = {f"{i}:{type(c).__name__}": c.state_dict() for i, c in enumerate(self.callbacks)
-                     if hasattr(c, "state_dict")}
-        return {
-            "format": checkpoint.FORMAT,
-            "epoch": self.epoch,
-            "epoch_complete": bool(self.epoch_complete),
-            "batch": int(self.batch_in_epoch),
-            "global_step": self.global_step,
-            "model": self.unwrapped_model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "callbacks": callbacks,
-            "rng": rng if rng is not None else [checkpoint.rng_state()],
-            "world_size": comm.get_world_size(),
-            "config": setup_config._plain(dict(self.cfg)),
-        }
-
-    def load_state_dict(self, state: dict, source: str = "checkpoint") -> None:
-        """Restore :meth:`state_dict`: training continues after the saved epoch, or inside it
-        (skipping the batches already trained) for a checkpoint saved mid-epoch."""
-        torch_tools.load_weights(self.model, state["model"], strict=True, source=source)
-        if self.optimizer is not None and state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        saved = state.get("callbacks", {})
-        for i, c in enumerate(self.callbacks):
-            key = f"{i}:{type(c).__name__}"
-            if key in saved and hasattr(c, "load_state_dict"):
-                c.load_state_dict(saved[key])
-        rngs = state.get("rng") or []
-        if isinstance(rngs, dict):
-            rngs = [rngs]
-        if rngs:
-            self._pending_rng = rngs[self.rank] if len(rngs) == self.world_size else rngs[0]
-        epoch = int(state["epoch"])
-        if state.get("epoch_complete", True):
-            self.start_epoch, self._skip_batches = epoch + 1, 0
-        else:
-            self.start_epoch, self._skip_batches = epoch, int(state.get("batch", 0))
-        self.global_step = int(state.get("global_step", 0))
-
-    def checkpoint_dir(self) -> str:
-        """The folder of ``last.pth``: the ModelCheckpoint's, else ``<work_dir>/model``."""
-        for c in self.callbacks:
-            folder = getattr(c, "model_dir", None)
-            if folder and hasattr(c, "save_last"):
-                return folder
-        return os.path.join(self.cfg.get("work_dir") or ".", "model")
-
-    def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> str:
-        """Write a resumable checkpoint (called on every rank: it gathers every rank's RNG
-        state; only the main process writes). Returns the path.
-
-        Args:
-            path: default ``<checkpoint_dir()>/last.pth``.
-            background: copy the state and let the checkpoint writer thread write the file
-                (:func:`basetrainer.engine.checkpoint.write_in_background`); by default the
-                file is complete when this returns.
-        """
-        path = path or os.path.join(self.checkpoint_dir(), "last.pth")
-        rngs = comm.all_gather_object(checkpoint.rng_state())
-        if comm.is_main_process():
-            if background:
-                state = checkpoint.snapshot(self.state_dict(rng=rngs))
-                checkpoint.write_in_background(lambda: checkpoint.write_atomically(state, path), path)
-            else:
-                checkpoint.atomic_save(self.state_dict(rng=rngs), path)
-        comm.synchronize()
-        return path
-
-    def save_preempt_checkpoint(self) -> Optional[str]:
-        return self.save_checkpoint()
+    # ----------------------------------------------------------------------------- run
+    def extra_callbacks(self) -> List[Any]:
+        """The progress bars (``progress``, main process only, unless the list has its own)."""
+        if self.progress and comm.is_main_process() and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+            return [ProgressBar()]
+        return []
 
     def restore(self) -> None:
-        """Apply ``cfg.resume`` ("" = no, "auto" = newest checkpoint under work_dir, or a path)."""
-        resume = self.cfg.get("resume")
-        if not resume:
-            return
-        if resume == "auto":
-            root = self.cfg.get("work_dir") or "."
-            path = comm.broadcast_object(checkpoint.find_latest(root) if os.path.isdir(root) else None)
-            if path is None:
-                logger.warning("resume='auto': no resumable checkpoint under %s; training from scratch", root)
-                return
-        else:
-            path = resume
-        state = checkpoint.load_file(path, map_location="cpu")
-        if not checkpoint.is_resumable(state):
-            raise ValueError(f"resume={path!r} holds weights only, not a resumable checkpoint "
-                             f"(optimizer, epoch, ...); use finetune for weights, or resume from last.pth")
-        self.load_state_dict(state, source=path)
-        logger.info("resumed from %s: continuing at epoch %d (step %d)", path, self.start_epoch, self.global_step)
+        """Apply the run-folder rules and ``cfg.resume`` ("" = a new run, "auto" = continue this
+        run's newest loadable checkpoint, or a checkpoint path); see :mod:`basetrainer.engine.resume`."""
+        resume.prepare_run(self)

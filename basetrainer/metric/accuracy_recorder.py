@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, targets_of
-from basetrainer.engine import comm
+from basetrainer.runtime import comm
 
 _logger = logging.getLogger(__name__)
 
@@ -112,6 +112,10 @@ class AccuracyRecorder(Callback):
         self.test = ConfusionCounts(self.topk)
         self.confusion_matrix: Optional[torch.Tensor] = None
         self.per_class: Dict[str, float] = {}
+
+    @property
+    def state_key(self) -> str:
+        return f"AccuracyRecorder:{self.indicator}"
 
     # ---------------------------------------------------------------- figures
     def _num_classes(self, counts: ConfusionCounts, reduce: bool) -> int:

@@ -8,8 +8,8 @@ The file holds only tensors, numbers, strings, bools, lists and dicts, so it is 
      "shapes": {"layer1.0.conv1": {"type": "Conv2d", "in_channels": 32, ...}, ...},
      "state_dict": {"conv1.weight": tensor, ...}}
 
-It is written atomically (a temporary file renamed into place), so a process that polls for it
-(e.g. a non-zero rank waiting on rank 0) never reads half a file.
+It is written by the one atomic writer (:mod:`basetrainer.runtime.atomic`), so a process that
+polls for it (e.g. a non-zero rank waiting on rank 0) never reads half a file.
 """
 import os
 from pathlib import Path
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from basetrainer.pruning.shapes import layer_shapes, reshape_to
+from basetrainer.runtime import atomic
 
 PRUNED_FILENAME = "pruned_model.pth"
 FILE_FORMAT = "basetrainer.pruned/1"
@@ -50,13 +51,7 @@ def save_pruned(model: nn.Module, directory: PathLike, meta: Dict[str, Any]) -> 
         "shapes": layer_shapes(model),
         "state_dict": {key: value.detach().cpu() for key, value in model.state_dict().items()},
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic.write_atomically(payload, str(path))
     return path
 
 

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from basetrainer.engine import comm
+from basetrainer.runtime import comm
 from basetrainer.pruning import options, structural
 from basetrainer.pruning.checkpoint import load_pruned, pruned_path, read_pruned, save_pruned
 from basetrainer.pruning.counter import profile_model

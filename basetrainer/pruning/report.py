@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Union
 
 from basetrainer.pruning.counter import ModelCost
 from basetrainer.pruning.shapes import LayerSpec, channels_of
+from basetrainer.runtime import atomic
 
 REPORT_JSON = "prune_report.json"
 REPORT_TXT = "prune_report.txt"
@@ -79,6 +80,6 @@ def write_report(report: Dict[str, Any], directory: Union[str, Path]) -> List[Pa
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     json_path, txt_path = folder / REPORT_JSON, folder / REPORT_TXT
-    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    txt_path.write_text(format_report(report), encoding="utf-8")
+    atomic.write_atomically(json.dumps(report, indent=2) + "\n", str(json_path))
+    atomic.write_atomically(format_report(report), str(txt_path))
     return [json_path, txt_path]

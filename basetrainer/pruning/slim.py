@@ -10,12 +10,7 @@ import torch
 from torch import nn
 
 from basetrainer.callbacks.callbacks import Callback
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    from basetrainer.engine.engine import unwrap_model  # lazy: the engine imports callbacks
-
-    return unwrap_model(model)
+from basetrainer.runtime.modules import unwrap_model as _unwrap
 
 
 class SlimRegularizer(Callback):

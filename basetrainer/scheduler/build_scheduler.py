@@ -126,7 +126,8 @@ class LRSchedulerCallback(Callback):
         return {"last_step": int(self.scheduler.last_epoch), "base_lrs": list(self.scheduler.base_lrs)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.scheduler.base_lrs = list(state.get("base_lrs", self.scheduler.base_lrs))
+        # the LRs after warm-up stay those this schedule was built with, i.e. the current
+        # config's (a changed lr on resume takes effect); the position is recomputed every step
         self.scheduler.last_epoch = int(state.get("last_step", self.scheduler.last_epoch))
 
 

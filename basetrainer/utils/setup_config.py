@@ -90,7 +90,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "distributed": (False, "bool", "one process per gpu_id entry (DDP)"),
     "seed": (2020, "int", "random seed: the train order depends only on (seed, epoch)"),
     "pretrained": (False, "boolpath", "torchvision weights from the local cache, or a weights file"),
-    "resume": ("", "optpath", "'' (no), 'auto' (newest checkpoint in work_dir) or a checkpoint path"),
+    "resume": ("", "optpath", "'' (a new run), 'auto' (continue this run's newest loadable checkpoint) or a checkpoint path"),
+    "overwrite": (False, "bool", "start a new run in a work_dir holding another run: move the old one aside"),
     "amp": ("none", "str", "mixed precision: none, fp16 (CUDA), bf16"),
     "accumulate_steps": (1, "int", "micro-batches per optimizer step"),
     "channels_last": (False, "bool", "channels-last memory format for 4-D inputs and the model"),
@@ -208,26 +209,16 @@ def load_config(config_file: str) -> Config:
     return Config(data)
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def save_config(cfg: Any, config_file: str) -> str:
     """Write ``cfg`` as YAML (loads back equal for plain values; others are written as text)."""
     import yaml
 
+    from basetrainer.runtime import atomic
+    from basetrainer.runtime.checkpoint import plain
+
     data = vars(cfg) if isinstance(cfg, argparse.Namespace) else dict(cfg)
-    folder = os.path.dirname(os.path.abspath(config_file))
-    os.makedirs(folder, exist_ok=True)
-    with open(config_file, "w", encoding="utf-8") as f:
-        yaml.safe_dump(_plain(data), f, sort_keys=False, allow_unicode=True)
-    return config_file
+    text = yaml.safe_dump(plain(data), sort_keys=False, allow_unicode=True)
+    return atomic.write_atomically(text, config_file)
 
 
 # ---------------------------------------------------------------------------------- argparse

@@ -7,7 +7,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
-from basetrainer.engine import checkpoint
+from basetrainer.runtime import checkpoint
+from basetrainer.runtime.modules import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def load_weights(model: nn.Module, state_dict: Union[str, Dict[str, torch.Tensor
         ValueError: keys or shapes do not match; the message lists the missing, unexpected and
             mismatched keys (weights for another architecture, usually).
     """
-    from basetrainer.engine.engine import unwrap_model
-
     if isinstance(state_dict, str):
         source = source or state_dict
         state_dict = load_state_dict(state_dict)

@@ -1,0 +1,129 @@
+"""Preemption: SIGTERM/SIGINT stop training after the current step, with a resumable checkpoint.
+
+Schedulers signal the whole process group (``scancel``, ``kill -- -PGID``, Ctrl-C), which
+includes the DataLoader workers. Workers therefore ignore those signals (:class:`WorkerShield`)
+and are shut down by their main process once it has saved; only a SIGTERM from the worker's own
+parent (the DataLoader shutting it down) still ends a worker. The main process stops after the
+current step (one process) or at the next step where all ranks compare flags (DDP), saves, and
+exits with status 128 + the signal's number.
+"""
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, Optional
+
+logger = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preemption:
+    """Signal handlers of one ``run()``: a first SIGTERM/SIGINT asks to stop; a second Ctrl-C
+    stops at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "Preemption":
+        self.signum = None
+        if threading.current_thread() is not threading.main_thread():
+            return self
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.signum is not None:
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt  # a second Ctrl-C stops at once
+                return  # the first signal decides the exit status (a launcher passes it on too)
+            self.signum = signum
+            logger.warning("received signal %d: stopping after this step and saving a checkpoint", signum)
+
+        for sig in _SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):  # not allowed here (e.g. embedded interpreters)
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def exit(self, where: str, path: Optional[str], is_main: bool) -> None:
+        """Tell how to resume and leave with status 128 + signal (every rank the same)."""
+        signum = self.signum or signal.SIGTERM
+        message = (f"training stopped by signal {signum} ({signal.Signals(signum).name}) at {where}; "
+                   + (f"checkpoint saved to {path}; continue with resume: auto (or --resume {path})"
+                      if path else "no checkpoint was saved (no work_dir and no ModelCheckpoint)"))
+        if is_main:  # once: to the configured log, else to stderr
+            if logger.hasHandlers():
+                logger.error("%s", message)
+            else:
+                print(message, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+
+def start(loader: Any) -> Iterator[Any]:
+    """``iter(loader)`` with SIGTERM/SIGINT blocked while it starts worker processes: a forked
+    worker begins with them blocked, so every thread it ever runs has them blocked too and only
+    its watcher (:func:`shield_worker`) receives them. A signal arriving meanwhile is delivered
+    to this process right after."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        return iter(loader)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def shield_worker() -> None:
+    """In a DataLoader worker: ignore SIGINT, and SIGTERM unless its parent sends it.
+
+    Blocked signals are taken by a watcher thread (``sigwaitinfo`` tells who sent them); a
+    SIGTERM from the parent (the DataLoader shutting its workers down, or the interpreter's exit
+    terminating daemonic children) ends the worker at once, as torch's own handler does.
+    Without ``sigwaitinfo`` (macOS, Windows) the worker keeps torch's behaviour.
+    """
+    if not hasattr(signal, "sigwaitinfo") or not hasattr(signal, "pthread_sigmask"):
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
+
+    def watch() -> None:
+        while True:
+            info = signal.sigwaitinfo(set(_SIGNALS))
+            if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="basetrainer-worker-signals", daemon=True).start()
+
+
+class WorkerShield:
+    """A ``worker_init_fn`` that runs :func:`shield_worker`, then the user's own (picklable)."""
+
+    def __init__(self, user_fn: Optional[Callable[[int], None]] = None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        shield_worker()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def shield_loader(loader: Any) -> None:
+    """Make ``loader``'s future worker processes ignore group signals (a no-op without workers,
+    or when its persistent workers already run)."""
+    if getattr(loader, "num_workers", 0) <= 0 or getattr(loader, "_iterator", None) is not None:
+        return
+    init = getattr(loader, "worker_init_fn", None)
+    if not isinstance(init, WorkerShield):
+        loader.worker_init_fn = WorkerShield(init)

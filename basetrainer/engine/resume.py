@@ -1,0 +1,175 @@
+"""Starting a run: continue the run in its folder (``resume``), start a new one, or refuse.
+
+- ``resume: auto`` continues from the newest loadable checkpoint of this run's checkpoint
+  folder (``last.pth``, else ``last.prev.pth``, saying so); when checkpoints exist but none
+  loads, it stops with an error naming them rather than training from scratch over the run.
+- A new run (no ``resume``) in a folder holding another run's files is refused;
+  ``overwrite: true`` moves the old run aside (``<folder>.old-<time>``) first.
+- On resume, a changed config is reported key by key. Keys that shape what comes next (lr,
+  num_epochs, log_freq, ...) take the new value; a change that makes the run no continuation
+  (model, input size, data, seed) is refused, naming the key.
+
+The main process decides (it alone touches files); every rank receives the decision, so all
+ranks continue, or all raise the same error.
+"""
+import builtins
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from basetrainer.runtime import atomic, checkpoint, comm, run_folder
+
+logger = logging.getLogger(__name__)
+
+# config key -> the optimizer hyper-parameters built from it
+_OPTIMIZER_KEYS = {"lr": ("lr", "initial_lr"), "momentum": ("momentum",), "weight_decay": ("weight_decay",)}
+
+
+def _decided_by_main(decide: Callable[[], Any], public: Callable[[Any], Any] = lambda r: r) -> Any:
+    """Run ``decide`` on the main process; the other ranks receive ``public(result)``. An error
+    it raises is raised on every rank (same type and message)."""
+    outcome: Tuple[str, Any] = ("ok", None)
+    result = None
+    if comm.is_main_process():
+        try:
+            result = decide()
+            outcome = ("ok", public(result))
+        except Exception as e:
+            if comm.get_world_size() == 1:
+                raise
+            outcome = ("error", (type(e).__name__, str(e)))
+    outcome = comm.broadcast_object(outcome)
+    if outcome[0] == "error":
+        name, message = outcome[1]
+        kind = getattr(builtins, name, RuntimeError)
+        raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
+    return result if comm.is_main_process() else outcome[1]
+
+
+def claim_work_dir(cfg: Any) -> None:
+    """At the trainer's construction, before a script writes anything into ``work_dir``: refuse
+    a new run in a ``work_dir`` that holds a run's checkpoints, or move that run aside
+    (``overwrite``)."""
+    work_dir, resume, overwrite = cfg.get("work_dir"), cfg.get("resume"), bool(cfg.get("overwrite"))
+
+    def decide() -> None:
+        found = run_folder.find_checkpoints(work_dir)
+        if not found or (resume and not overwrite):
+            return
+        if overwrite:
+            run_folder.move_aside(work_dir)
+            return
+        raise run_folder.refusal(f"work_dir={work_dir!r}", found)
+
+    if work_dir:
+        _decided_by_main(decide)
+
+
+def _previous_files(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
+    """Files of an earlier run in this run's folders (checkpoints, logs)."""
+    files: List[str] = []
+    for cb in trainer.callbacks or []:
+        files += list(getattr(cb, "run_files", lambda: [])())
+    if folder is not None:
+        files += [p for p in (folder.last, folder.previous) if os.path.exists(p)]
+    return sorted(set(files))
+
+
+def _folders(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
+    found = [folder.folder] if folder is not None else []
+    for cb in trainer.callbacks or []:
+        found += [f for f in (getattr(cb, "model_dir", None), getattr(cb, "log_dir", None)) if f]
+    return sorted(set(found))
+
+
+def _refuse_other_runs(trainer: Any, state: dict, path: str) -> None:
+    changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg))
+    breaking = [c for c in changes if c[0] in checkpoint.IDENTITY_KEYS]
+    _, phase, batch = checkpoint.position(state)
+    if phase == "train" and batch:  # the position inside the epoch counts batches of the old size
+        breaking += [c for c in changes if c[0] == "batch_size"]
+    if breaking:
+        raise ValueError(
+            f"resume from {path}: the config changes what is trained, so this would not continue that run: "
+            + "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in breaking)
+            + ". Keep those values to resume it, or start a new run: another work_dir, or overwrite: true "
+              "(moves the old run aside)")
+
+
+def _decide(trainer: Any) -> Dict[str, Any]:
+    """The main process's decision: ``{"path": checkpoint or None, "run_id": ...}``."""
+    cfg = trainer.cfg
+    resume, overwrite = cfg.get("resume") or "", bool(cfg.get("overwrite"))
+    folder = trainer.checkpoint_folder()
+    for f in _folders(trainer, folder):
+        atomic.remove_stale_temps(f)
+    if resume and overwrite:
+        logger.warning("overwrite: true starts a new run: resume=%r is ignored", resume)
+        resume = ""
+    if resume == "auto":
+        if folder is None:
+            raise ValueError("resume='auto' needs a checkpoint folder: set work_dir, or add a ModelCheckpoint")
+        found = folder.find_resumable()
+        if found is not None:
+            _refuse_other_runs(trainer, found[1], found[0])
+            return {"path": found[0], "state": found[1]}
+    elif resume:
+        state = checkpoint.load_file(resume, map_location="cpu")
+        if not checkpoint.is_resumable(state):
+            raise ValueError(f"resume={resume!r} holds weights only, not a resumable checkpoint "
+                             f"(optimizer, epoch, ...); use finetune for weights, or resume from last.pth")
+        _refuse_other_runs(trainer, state, resume)
+        return {"path": resume, "state": state}
+    marker = run_folder.read_marker(folder.folder if folder else None)
+    if marker is not None and trainer.run_id is not None and marker.get("run_id") == trainer.run_id:
+        return {"path": None, "run_id": trainer.run_id}   # run() again on the same trainer: its own files
+    existing = _previous_files(trainer, folder)
+    if existing and resume == "auto" and marker is not None:
+        logger.warning("resume='auto': the run in %s saved no checkpoint yet; starting it from scratch "
+                       "(its files are kept or replaced by the new ones)", folder.folder)
+    elif existing and overwrite:
+        moved: List[str] = []
+        for f in sorted({os.path.dirname(os.path.abspath(p)) for p in existing}, key=len):
+            if not any(f == m or f.startswith(m + os.sep) for m in moved):
+                run_folder.move_aside(f)
+                moved.append(f)
+    elif existing:
+        raise run_folder.refusal(os.path.dirname(existing[0]), existing)
+    elif resume == "auto":
+        logger.warning("resume='auto': no checkpoint in %s yet; training from scratch", folder.folder)
+    run_id = marker["run_id"] if (marker and resume == "auto") else run_folder.new_run_id()
+    if folder is not None:
+        run_folder.write_marker(folder.folder, run_id)
+    return {"path": None, "run_id": run_id}
+
+
+def prepare_run(trainer: Any) -> None:
+    """Apply the run-folder rules and ``cfg.resume`` to ``trainer`` (at the start of ``run()``)."""
+    decision = _decided_by_main(lambda: _decide(trainer),
+                                public=lambda d: {k: v for k, v in d.items() if k != "state"})
+    path, state = decision.get("path"), decision.get("state")  # the state only on the main process
+    if path is None:
+        trainer.run_id = decision.get("run_id")
+        return
+    if state is None:
+        state = checkpoint.load_file(path, map_location="cpu")
+    changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg))
+    optimizer = trainer.optimizer
+    built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+    trainer.load_state_dict(state, source=path)
+    for key, _, _ in changes:   # the new config's optimizer settings, not the saved ones
+        for group, fresh in zip(optimizer.param_groups if optimizer else [], built):
+            for name in _OPTIMIZER_KEYS.get(key, ()):
+                if name in fresh:
+                    group[name] = fresh[name]
+    if trainer.run_id is None:
+        trainer.run_id = run_folder.new_run_id()
+    if comm.is_main_process():
+        folder = trainer.checkpoint_folder()
+        if folder is not None and run_folder.read_marker(folder.folder) is None:
+            run_folder.write_marker(folder.folder, trainer.run_id)
+        if changes:
+            logger.warning("resume from %s: the config differs from the checkpoint's; using the new values:\n%s",
+                           path, "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in changes))
+        logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", path, checkpoint.describe(state),
+                    trainer.start_epoch, trainer.global_step)

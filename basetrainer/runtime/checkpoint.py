@@ -1,0 +1,346 @@
+"""The run's checkpoints: what a resume needs, and how it is written, found, validated and loaded.
+
+This module is their one home. A checkpoint is a dict of tensors, numbers, strings, lists and
+dicts only, so it loads with ``torch.load(..., weights_only=True)``: a file that carries pickled
+code is refused. A run's folder holds ``last.pth`` (the newest resumable state) and
+``last.prev.pth`` (the one before, kept as a fallback); :class:`CheckpointFolder` writes the
+files a save asks for (best and per-epoch weights) *before* ``last.pth``, and deletes superseded
+files only after it, so no crash loses a file that ``last.pth`` refers to.
+"""
+import logging
+import os
+import pickle
+import random
+import re
+import zipfile
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from basetrainer.runtime import atomic
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "basetrainer-checkpoint-1"
+LAST, PREVIOUS = "last.pth", "last.prev.pth"
+
+
+# ----------------------------------------------------------------------------- loading
+def load_file(path: str, map_location: Any = "cpu") -> Any:
+    """Load a ``.pth`` with ``weights_only=True``; every failure names the file and the problem.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is truncated, not a torch file, or carries pickled code (refused).
+    """
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path!r} does not exist; check the path "
+                                f"(finetune/resume/pretrained keys)")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"checkpoint file {path!r} is empty (0 bytes): it was not written completely")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # every weights-only failure mentions "weights_only"; only a blocked GLOBAL is pickled code
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "unsupported" in line.lower()), lines[0] if lines else "")
+        if "unsupported global" in str(e).lower():
+            raise ValueError(f"refused to load {path!r}: it holds pickled Python objects that would run "
+                             f"code when loaded (only tensors, numbers, strings, lists and dicts are "
+                             f"accepted). Re-save it as a plain state_dict. Details: {detail}"
+                             ) from None
+        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file ({detail})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def extract_state_dict(obj: Any, source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+    """The model weights inside a loaded file (a state_dict, or a checkpoint's ``model`` or
+    ``state_dict`` entry), without a DataParallel/DDP ``module.`` prefix."""
+    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+        obj = obj["model"]
+    elif isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{source} does not hold a model state_dict (a dict of tensors)")
+    if obj and all(k.startswith("module.") for k in obj):
+        obj = {k[len("module."):]: v for k, v in obj.items()}
+    return obj
+
+
+def is_resumable(obj: Any) -> bool:
+    return isinstance(obj, dict) and obj.get("format") == FORMAT
+
+
+def non_finite(weights: Dict[str, torch.Tensor]) -> List[str]:
+    """Names of the floating-point tensors of ``weights`` holding NaN or inf (one host sync)."""
+    by_device: Dict[torch.device, List[str]] = {}
+    for k, v in weights.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            by_device.setdefault(v.device, []).append(k)
+    bad = []
+    for names in by_device.values():
+        flags = torch.stack([torch.isfinite(weights[k]).all() for k in names]).tolist()
+        bad += [k for k, ok in zip(names, flags) if not ok]
+    return bad
+
+
+# ----------------------------------------------------------------------------- random generators
+def rng_state() -> Dict[str, Any]:
+    """Every random generator's state (python, numpy, torch, CUDA), in weights-only types."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        try:
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        except (RuntimeError, IndexError):
+            logger.warning("could not restore the CUDA RNG state (different GPUs?); continuing")
+
+
+# ----------------------------------------------------------------------------- callback states
+_LEGACY_KEY = re.compile(r"^(\d+):(.+)$")   # 2.0 keyed callback states by list position
+
+
+def callback_keys(callbacks: Sequence[Any]) -> List[Tuple[str, Any]]:
+    """``(key, callback)`` for every callback with state: its ``state_key`` (default: its class
+    name), with ``#2``, ``#3`` appended when two callbacks share one."""
+    out: List[Tuple[str, Any]] = []
+    seen: Dict[str, int] = {}
+    for cb in callbacks:
+        if not hasattr(cb, "state_dict"):
+            continue
+        key = str(getattr(cb, "state_key", None) or type(cb).__name__)
+        seen[key] = seen.get(key, 0) + 1
+        out.append((key if seen[key] == 1 else f"{key}#{seen[key]}", cb))
+    return out
+
+
+def callback_states(callbacks: Sequence[Any]) -> Dict[str, Any]:
+    return {key: cb.state_dict() for key, cb in callback_keys(callbacks)}
+
+
+def load_callback_states(callbacks: Sequence[Any], saved: Dict[str, Any], source: str) -> None:
+    """Give each callback its saved state, matched by key (2.0 checkpoints: by list position and
+    class name). Saved states nobody takes, and callbacks with state but nothing saved, are
+    named in a warning."""
+    saved = dict(saved or {})
+    if saved and all(_LEGACY_KEY.match(k) for k in saved):
+        pairs = [(f"{i}:{type(cb).__name__}", cb) for i, cb in enumerate(callbacks) if hasattr(cb, "state_dict")]
+    else:
+        pairs = callback_keys(callbacks)
+    fresh = []
+    for key, cb in pairs:
+        if key in saved:
+            if hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(saved.pop(key))
+        elif cb.state_dict():
+            fresh.append(key)
+    if saved:
+        logger.warning("%s: saved state of %s matches no callback (removed, or its state_key changed?); "
+                       "ignored", source, ", ".join(repr(k) for k in saved))
+    if fresh:
+        logger.warning("%s: no saved state for callback(s) %s (added since?); they start fresh",
+                       source, ", ".join(repr(k) for k in fresh))
+
+
+# ----------------------------------------------------------------------------- the config of a run
+IDENTITY_KEYS = ("net_type", "input_size", "train_data", "test_data", "seed", "num_classes", "classes")
+QUIET_KEYS = ("resume", "overwrite", "config_file", "progress")
+
+
+def plain(value: Any) -> Any:
+    """``value`` in weights-only types (dicts, lists, numbers, strings); other objects as text."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` for every key that differs (quiet keys left out)."""
+    saved, current = plain(saved or {}), plain(current or {})
+    missing = object()
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if key in QUIET_KEYS:
+            continue
+        old, new = saved.get(key, missing), current.get(key, missing)
+        if old != new:
+            out.append((key, None if old is missing else old, None if new is missing else new))
+    return out
+
+
+# ----------------------------------------------------------------------------- the state of a run
+def capture(engine: Any, rngs: Optional[List[dict]] = None) -> dict:
+    """Everything a resume of ``engine`` needs, at its current position (live tensors: copy them
+    with :func:`basetrainer.runtime.atomic.snapshot` before training goes on)."""
+    phase = getattr(engine, "phase", "end")
+    cfg = getattr(engine, "cfg", None)
+    return {
+        "format": FORMAT,
+        "run_id": getattr(engine, "run_id", None),
+        "epoch": int(engine.epoch),
+        "phase": phase,                            # train (inside the epoch) | test | end
+        "epoch_complete": phase == "end",
+        "batch": int(engine.batch_in_epoch),       # train steps done in this epoch
+        "global_step": int(engine.global_step),
+        "model": engine.unwrapped_model.state_dict(),
+        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else {},
+        "scaler": engine.scaler.state_dict() if engine.scaler is not None else {},
+        "callbacks": callback_states(engine.callbacks),
+        "rng": rngs if rngs is not None else [rng_state()],
+        "world_size": int(getattr(engine, "world_size", 1) or 1),
+        "config": plain(dict(cfg)) if cfg is not None else {},
+        "logs": {k: v for k, v in (getattr(engine, "logs", None) or {}).items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)},
+    }
+
+
+def position(state: dict) -> Tuple[int, str, int]:
+    """``(epoch, phase, batch)`` of a checkpoint (2.0 files have no phase)."""
+    phase = state.get("phase") or ("end" if state.get("epoch_complete", True) else "train")
+    return int(state["epoch"]), phase, int(state.get("batch", 0))
+
+
+def describe(state: dict) -> str:
+    epoch, phase, batch = position(state)
+    return {"end": f"end of epoch {epoch}", "test": f"epoch {epoch} before its test phase",
+            "train": f"epoch {epoch} after step {batch}"}[phase]
+
+
+# ----------------------------------------------------------------------------- the folder
+class CheckpointFolder:
+    """The checkpoint folder of a run: ``last.pth``, ``last.prev.pth`` and the files saves stage.
+
+    A save (:meth:`commit`) writes, in this order: every staged file (e.g. best and per-epoch
+    weights, :meth:`stage`), then ``last.pth`` (the old one becomes ``last.prev.pth``), then
+    runs the staged clean-ups (deleting superseded files). In the background writer thread
+    when asked, else before it returns.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.last = os.path.join(folder, LAST)
+        self.previous = os.path.join(folder, PREVIOUS)
+        self._writes: List[Callable[[dict], None]] = []
+        self._cleanups: List[Callable[[], None]] = []
+        self._foreground = False
+        self.committed: Optional[str] = None    # what the newest last.pth of this process holds
+
+    # ------------------------------------------------------------------ finding
+    def find_resumable(self) -> Optional[Tuple[str, dict]]:
+        """``(path, state)`` of the newest loadable checkpoint (``last.pth``, else
+        ``last.prev.pth``, with a warning), or None when the folder holds neither.
+
+        Raises:
+            ValueError: checkpoints exist but none is loadable; the message names each and why.
+        """
+        damaged: List[str] = []
+        for path in (self.last, self.previous):
+            if not os.path.exists(path):
+                continue
+            try:
+                state = load_file(path)
+                if not is_resumable(state):
+                    raise ValueError(f"{path!r} is not a resumable checkpoint")
+                bad = non_finite(state.get("model", {}))
+                if bad:
+                    raise ValueError(f"{path!r} holds non-finite weights ({', '.join(bad[:3])})")
+            except ValueError as e:
+                damaged.append(str(e))
+                continue
+            if damaged:
+                logger.warning("resume: %s; resuming from %s (%s) instead", "; ".join(damaged), path,
+                               describe(state))
+            return path, state
+        if damaged:
+            raise ValueError(f"resume='auto': no loadable checkpoint is left in {self.folder}: "
+                             + "; ".join(damaged) + ". Nothing was trained over it. Put a good copy back, or "
+                             "start a new run: another work_dir, or overwrite: true (moves this run aside)")
+        return None
+
+    # ------------------------------------------------------------------ writing
+    def stage(self, write: Callable[[dict], None], cleanup: Optional[Callable[[], None]] = None,
+              background: bool = True) -> None:
+        """Have the next :meth:`commit` run ``write(state)`` before it writes ``last.pth`` and
+        ``cleanup()`` after. ``state`` is the state being saved (its ``"model"`` entry: the
+        trainer's weights, a copy when written in the background). ``background=False`` makes
+        that commit write before it returns."""
+        self._writes.append(write)
+        if cleanup is not None:
+            self._cleanups.append(cleanup)
+        self._foreground = self._foreground or not background
+
+    @property
+    def has_staged(self) -> bool:
+        return bool(self._writes or self._cleanups)
+
+    def commit(self, state: dict, background: bool = True, path: Optional[str] = None) -> str:
+        """Write the staged files, then ``state`` as ``last.pth`` (or ``path``), then clean up.
+
+        Raises:
+            FloatingPointError: the weights hold NaN or inf (nothing is written).
+            DiskFullError: no space; the message says what of the previous save is intact.
+        """
+        bad = non_finite(state["model"])
+        if bad:
+            self._writes, self._cleanups = [], []
+            raise FloatingPointError(f"refusing to save {describe(state)}: non-finite weights in "
+                                     f"{', '.join(bad[:5])}; the previous checkpoint in {self.folder} is kept")
+        writes, cleanups = self._writes, self._cleanups
+        background = background and not self._foreground
+        self._writes, self._cleanups, self._foreground = [], [], False
+        target = path or self.last
+        what = describe(state)
+
+        def job(saved: dict) -> None:
+            try:
+                for write in writes:
+                    write(saved)
+                atomic.write_atomically(saved, target, keep_previous=self.previous if target == self.last else None)
+            except atomic.DiskFullError as e:
+                raise atomic.DiskFullError(e.errno, f"{e.strerror}. {self._intact()}") from None
+            if target == self.last:
+                self.committed = what
+            for cleanup in cleanups:
+                cleanup()
+
+        if background:
+            copy = atomic.snapshot(state)
+            atomic.write_in_background(lambda: job(copy), what=f"the checkpoint of {what} in {self.folder}")
+        else:
+            atomic.wait_for_writes()
+            job(state)
+        return target
+
+    def _intact(self) -> str:
+        if os.path.exists(self.last):
+            held = f" ({self.committed})" if self.committed else ""
+            return (f"The previous {LAST} in {self.folder} is intact{held}: free some space (or move "
+                    f"work_dir) and continue with resume: auto")
+        return f"No {LAST} had been written to {self.folder} yet"

@@ -1,0 +1,296 @@
+"""The run folder never loses work: reruns into a used folder, damaged checkpoints, two
+ModelCheckpoints in one folder, changed configs on resume, non-finite state, callback state
+keys, on_train_end on every path."""
+import glob
+import hashlib
+import logging
+import os
+
+import pytest
+import torch
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+from conftest import Recorder, ToyTrainer, toy_cfg
+
+
+class Scripted(Callback):
+    """Writes ``logs[key] = values[epoch]`` per key at each epoch end and keeps each epoch's weights."""
+
+    def __init__(self, **series):
+        super().__init__()
+        self.series = series
+        self.weights = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        for key, values in self.series.items():
+            logs[key] = values[epoch]
+        self.weights[epoch] = {k: v.clone() for k, v in self.trainer.unwrapped_model.state_dict().items()}
+
+
+def digests(folder):
+    out = {}
+    for path in sorted(glob.glob(os.path.join(str(folder), "**", "*"), recursive=True)):
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, str(folder))] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def same(a, b, tol=0.0):
+    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=tol, rtol=0) for k in a)
+
+
+def checkpointed(work, **kw):
+    kw.setdefault("indicator", "loss")
+    kw.setdefault("async_save", False)
+    return ModelCheckpoint(model_dir=os.path.join(str(work), "model"), **kw)
+
+
+def run(work, epochs=3, callbacks=None, **cfg):
+    t = ToyTrainer(toy_cfg(num_epochs=epochs, n_train=64, n_test=16, work_dir=str(work), **cfg),
+                   callbacks=callbacks if callbacks is not None else [LossesRecorder(), checkpointed(work)])
+    t.run()
+    return t
+
+
+# ----------------------------------------------------------------------------- item 1: reruns
+def test_a_second_run_into_a_used_work_dir_is_refused_and_keeps_the_first(tmp_path):
+    work = tmp_path / "work"
+    run(work)
+    before = digests(work)
+    assert any(name.startswith(os.path.join("model", "best_model_")) for name in before)
+    with pytest.raises(FileExistsError) as err:
+        run(work, lr=0.05)              # another run, not a resume
+    message = str(err.value)
+    assert str(work) in message and "resume" in message and "overwrite" in message
+    assert digests(work) == before      # not one byte of the first run changed
+
+
+def test_a_second_run_into_a_used_checkpoint_folder_outside_work_dir_is_refused(tmp_path):
+    folder = tmp_path / "ckpt"
+    run("", callbacks=[LossesRecorder(), checkpointed(folder)])
+    before = digests(folder)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        run("", callbacks=[LossesRecorder(), checkpointed(folder)], lr=0.05)
+    assert digests(folder) == before
+
+
+def test_overwrite_moves_the_old_run_aside_and_starts_a_new_one(tmp_path):
+    work = tmp_path / "work"
+    run(work)
+    before = digests(work)
+    t = run(work, lr=0.05, overwrite=True)
+    moved = glob.glob(str(tmp_path / "work.old-*"))
+    assert len(moved) == 1 and digests(moved[0]) == before      # the old run, whole, beside
+    assert t.start_epoch == 0 and os.path.isfile(work / "model" / "last.pth")
+    assert load(str(work / "model" / "last.pth"))["config"]["lr"] == 0.05
+
+
+# ----------------------------------------------------------------------------- item 2: damaged last.pth
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+def test_resume_auto_falls_back_to_the_previous_checkpoint_and_says_so(tmp_path, caplog):
+    work = tmp_path / "work"
+    reference = run(tmp_path / "ref")
+    run(work)
+    _truncate(work / "model" / "last.pth")
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        t = run(work, resume="auto")
+    assert t.start_epoch == 2           # from the previous checkpoint (epoch 1), not from scratch
+    assert "last.pth" in caplog.text
+    assert same(t.unwrapped_model.state_dict(), reference.unwrapped_model.state_dict(), tol=1e-6)
+    best = glob.glob(str(work / "model" / "best_model_*.pth"))
+    ref_best = glob.glob(str(tmp_path / "ref" / "model" / "best_model_*.pth"))
+    assert [os.path.basename(p) for p in best] == [os.path.basename(p) for p in ref_best]
+
+
+def test_resume_auto_with_nothing_loadable_stops_naming_the_damaged_file(tmp_path):
+    work = tmp_path / "work"
+    run(work)
+    for path in glob.glob(str(work / "model" / "last*.pth")):
+        _truncate(path)
+    before = digests(work)
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        run(work, resume="auto")
+    assert "last.pth" in str(err.value)
+    assert digests(work) == before      # nothing trained from scratch over the old run
+
+
+# ----------------------------------------------------------------------------- item 6: on_train_end
+class _FailsAtEnd(Callback):
+    def on_train_end(self, logs=None):
+        raise OSError("disk full while writing the last checkpoint")
+
+
+def test_every_on_train_end_runs_and_the_first_error_is_raised_after(tmp_path, recorder):
+    t = ToyTrainer(toy_cfg(num_epochs=1), callbacks=[_FailsAtEnd(), recorder])
+    with pytest.raises(OSError, match="disk full"):
+        t.run()
+    assert recorder.events[-1] == ("on_train_end",)
+
+
+# ----------------------------------------------------------------------------- item 9: two checkpoints
+def test_two_model_checkpoints_in_one_folder_keep_their_own_best_files(tmp_path):
+    scripted = Scripted(**{"test/loss": [0.9, 0.5, 0.7, 0.6], "test/Accuracy": [0.2, 0.3, 0.9, 0.4]})
+    by_loss, by_acc = checkpointed(tmp_path, indicator="loss"), checkpointed(tmp_path, indicator="Accuracy")
+    t = ToyTrainer(toy_cfg(num_epochs=4, n_train=64, n_test=16), callbacks=[scripted, by_loss, by_acc])
+    t.run()
+    assert os.path.isfile(by_loss.best_file) and os.path.isfile(by_acc.best_file)
+    assert by_loss.best_epoch == 1 and by_acc.best_epoch == 2
+    assert same(load(by_loss.best_file), scripted.weights[1])
+    assert same(load(by_acc.best_file), scripted.weights[2])
+    assert len(glob.glob(str(tmp_path / "model" / "best_model*.pth"))) == 2
+
+
+# ----------------------------------------------------------------------------- item 10: changed config
+def test_changed_lr_on_resume_is_reported_and_used(tmp_path, caplog):
+    work = tmp_path / "work"
+    run(work, epochs=2, lr=0.1)
+    recorder = Recorder()
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        t = run(work, epochs=3, lr=0.01, resume="auto", callbacks=[LossesRecorder(), checkpointed(work), recorder])
+    assert t.start_epoch == 2
+    assert set(recorder.lrs) == {0.01}                          # the new value is used
+    lines = caplog.text
+    assert "lr" in lines and "0.1" in lines and "0.01" in lines and "num_epochs" in lines
+
+
+@pytest.mark.parametrize("key,value", [("seed", 7), ("net_type", "resnet50"), ("input_size", [64, 64])])
+def test_resume_with_another_model_data_or_seed_is_refused(tmp_path, key, value):
+    work = tmp_path / "work"
+    run(work, epochs=2)
+    before = digests(work)
+    with pytest.raises(ValueError, match=key):
+        run(work, epochs=3, resume="auto", **{key: value})
+    assert digests(work) == before
+
+
+def test_changed_batch_size_on_resume_is_reported(tmp_path, caplog):
+    work = tmp_path / "work"
+    run(work, epochs=2, batch_size=16)
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        run(work, epochs=3, batch_size=32, resume="auto")
+    assert "batch_size" in caplog.text and "16" in caplog.text and "32" in caplog.text
+
+
+# ----------------------------------------------------------------------------- item 11: non-finite state
+class _PoisonAt(Callback):
+    """Sets every weight to NaN before step ``batch`` of ``epoch``."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_batch_begin(self, batch, logs=None):
+        if (self.trainer.epoch, batch) == self.at:
+            with torch.no_grad():
+                for p in self.trainer.unwrapped_model.parameters():
+                    p.fill_(float("nan"))
+
+
+def test_a_non_finite_step_never_reaches_last_pth(tmp_path):
+    work = tmp_path / "work"
+    callbacks = [LossesRecorder(), _PoisonAt(1, 1), checkpointed(work, save_freq_steps=1)]
+    t = ToyTrainer(toy_cfg(num_epochs=3, n_train=64, work_dir=str(work), log_freq=100), callbacks=callbacks)
+    with pytest.raises(FloatingPointError):
+        t.run()
+    for path in glob.glob(str(work / "model" / "*.pth")):
+        state = load(path)
+        weights = state.get("model", state)
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()), path
+
+
+def test_a_non_finite_figure_is_never_best(tmp_path):
+    scripted = Scripted(**{"test/loss": [0.5, float("-inf"), float("nan"), 0.4]})
+    ckpt = checkpointed(tmp_path)
+    ToyTrainer(toy_cfg(num_epochs=4, n_train=32, n_test=16), callbacks=[scripted, ckpt]).run()
+    assert ckpt.best_epoch == 3 and ckpt.best == 0.4
+
+
+# ----------------------------------------------------------------------------- item 12: state keys
+def test_callback_state_survives_a_callback_inserted_before_the_resume(tmp_path):
+    work = tmp_path / "work"
+    values = {"test/metric": [0.5, 0.3, 0.9, 0.8]}
+    run(work, epochs=2, callbacks=[LossesRecorder(), Scripted(**values),
+                                   checkpointed(work, indicator="test/metric", mode="min")])
+    ckpt = checkpointed(work, indicator="test/metric", mode="min")
+    run(work, epochs=4, resume="auto", callbacks=[Recorder(), LossesRecorder(), Scripted(**values), ckpt])
+    assert (ckpt.best, ckpt.best_epoch) == (0.3, 1)   # epochs 2 and 3 are worse: epoch 1 stays best
+    assert [os.path.basename(p) for p in glob.glob(str(work / "model" / "best_model_*.pth"))] == \
+        ["best_model_001_0.3000.pth"]
+
+
+# ----------------------------------------------------------------------------- compatibility, scope
+def test_a_2_0_checkpoint_with_positional_callback_keys_still_resumes(tmp_path):
+    work = tmp_path / "work"
+    values = {"test/metric": [0.5, 0.3, 0.9, 0.8]}
+    run(work, epochs=2, callbacks=[LossesRecorder(), Scripted(**values),
+                                   checkpointed(work, indicator="test/metric", mode="min")])
+    last = work / "model" / "last.pth"
+    state = load(str(last))
+    state["callbacks"] = {"2:ModelCheckpoint": {"best": 0.3, "best_epoch": 1}}   # how 2.0 wrote them
+    for key in ("phase", "run_id", "logs"):
+        state.pop(key)
+    torch.save(state, last)
+    ckpt = checkpointed(work, indicator="test/metric", mode="min")
+    t = run(work, epochs=4, resume="auto", callbacks=[LossesRecorder(), Scripted(**values), ckpt])
+    assert t.start_epoch == 2 and (ckpt.best, ckpt.best_epoch) == (0.3, 1)
+    assert ckpt.best_file == str(work / "model" / "best_model_001_0.3000.pth")   # found on disk
+
+
+def test_saved_state_that_no_callback_takes_is_named_in_a_warning(tmp_path, caplog):
+    work = tmp_path / "work"
+    run(work, epochs=2, callbacks=[LossesRecorder(), checkpointed(work),
+                                   ModelCheckpoint(model_dir=str(tmp_path / "other"), indicator="loss")])
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        run(work, epochs=3, resume="auto", callbacks=[LossesRecorder(), checkpointed(work)])
+    assert "ModelCheckpoint:other:loss" in caplog.text
+
+
+def test_resume_auto_never_takes_another_runs_checkpoint_below_work_dir(tmp_path):
+    other = tmp_path / "other"
+    run(other, epochs=2)
+    work = tmp_path / "work"
+    (work / "old").mkdir(parents=True)
+    os.rename(other, work / "old" / "run")          # another run's files, deeper in this work_dir
+    before = digests(work / "old")
+    t = run(work, epochs=2, resume="auto", callbacks=[LossesRecorder(), checkpointed(work)])
+    assert t.start_epoch == 0                         # nothing of this run to resume: from scratch
+    assert digests(work / "old") == before
+
+
+def test_overwrite_never_moves_the_current_folder(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    run(work)
+    monkeypatch.chdir(work)
+    with pytest.raises(ValueError, match="current folder"):
+        run(".", overwrite=True)
+    assert os.path.isfile(work / "model" / "last.pth")
+
+
+def _refused_rank(rank, work):
+    try:
+        run(work, epochs=1, distributed=True)
+    except FileExistsError as e:
+        return "FileExistsError: " + str(e)[:40]
+    return "trained"
+
+
+def test_every_rank_is_refused_together(tmp_path):
+    from conftest import run_distributed
+
+    work = tmp_path / "work"
+    run(work, epochs=1)
+    results = run_distributed(_refused_rank, 2, tmp_path, str(work), timeout=120)
+    assert results[0] == results[1] and results[0].startswith("FileExistsError")

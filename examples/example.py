@@ -145,7 +145,9 @@ def get_parser():
     parser.add_argument("--seed", type=int, default=2020)
     parser.add_argument("--log_freq", type=int, default=50)
     parser.add_argument("--finetune", default="", help="weights file to start from")
-    parser.add_argument("--resume", default="", help="'auto' or a checkpoint path")
+    parser.add_argument("--resume", default="", help="'auto' (continue the run in work_dir) or a checkpoint path")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a work_dir holding an earlier run (it is moved aside, not deleted)")
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("--use_prune", action="store_true", help="prune before training")
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of channels pruned per layer")

@@ -133,8 +133,6 @@ def merge_results(paths: List[str]) -> Dict[str, Any]:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             part = json.load(f)
-        if "data" in part:
-            part["data"] = {int(k): v for k, v in part["data"].items()}
         if not results:
             results = part
             continue

@@ -88,33 +88,38 @@ def _example_dataset(input_size: List[int]) -> Any:
 
 
 def loader_throughput(workers: List[int], repeats: int, batch_size: int = 32, input_size: Optional[List[int]] = None,
-                      say: Callable[[str], None] = lambda _m: None) -> Dict[int, Dict[str, float]]:
-    """Images/s of the example's train loader (built as its build_train_loader builds it).
+                      say: Callable[[str], None] = lambda _m: None) -> Dict[str, Dict[str, float]]:
+    """Images/s of the example's train loader (built as its build_train_loader builds it), with
+    the per-sample seeding of random draws (the default) and without it.
 
-    For each worker count, alternately, a fresh loader makes two passes: the first includes
-    starting the workers, the second reuses them (persistent workers).
+    For each worker count and seeding, alternately, a fresh loader makes two passes: the first
+    includes starting the workers, the second reuses them (persistent workers).
 
     Returns:
-        ``{num_workers: {"first": images/s, "second": images/s, "images": n}}`` (medians).
+        ``{"<num_workers>" or "<num_workers>-unseeded": {"first": images/s, "second": images/s,
+        "images": n}}`` (medians).
     """
     from basetrainer.dataloader.loader import build_dataloader
 
     dataset = _example_dataset(input_size or [32, 32])
-    rates: Dict[int, Dict[str, List[float]]] = {w: {"first": [], "second": []} for w in workers}
+    variants = [(w, seeded) for w in workers for seeded in (True, False)]
+    rates: Dict[str, Dict[str, List[float]]] = {}
     count = 0
     for r in range(repeats):
-        for w in workers:
-            loader = build_dataloader(dataset, batch_size, w, phase="train", shuffle=True, drop_last=True)
+        for w, seeded in variants:
+            name = f"{w}" if seeded else f"{w}-unseeded"
+            loader = build_dataloader(dataset, batch_size, w, phase="train", shuffle=True, drop_last=True,
+                                      seed_per_sample=seeded)
             for which in ("first", "second"):
-                loader.sampler.set_epoch(r)
+                loader.batch_sampler.set_epoch(r)
                 t0 = time.perf_counter()
                 count = sum(int(x.shape[0]) for x, _ in loader)
-                rates[w][which].append(count / (time.perf_counter() - t0))
+                rates.setdefault(name, {"first": [], "second": []})[which].append(count / (time.perf_counter() - t0))
             del loader
-            say(f"    round {r + 1}/{repeats}: num_workers={w}: {rates[w]['first'][-1]:.0f} images/s "
-                f"(first pass), {rates[w]['second'][-1]:.0f} images/s (second)")
-    return {w: {"first": statistics.median(v["first"]), "second": statistics.median(v["second"]), "images": count}
-            for w, v in rates.items()}
+            say(f"    round {r + 1}/{repeats}: num_workers={name}: {rates[name]['first'][-1]:.0f} images/s "
+                f"(first pass), {rates[name]['second'][-1]:.0f} images/s (second)")
+    return {name: {"first": statistics.median(v["first"]), "second": statistics.median(v["second"]),
+                   "images": count} for name, v in rates.items()}
 
 
 def callback_costs(run: Callable[[Callable[[Any], None]], Any]) -> Tuple[Dict[str, Dict[str, float]], Any]:

@@ -148,8 +148,15 @@ def data_table(results: Dict[str, Any], markdown: bool = False) -> str:
     data = results.get("data")
     if not data:
         return ""
-    header = ["num_workers", "images/pass", "first pass (incl. worker start) images/s", "second pass images/s"]
-    rows = [[str(w), str(v["images"]), f"{v['first']:.0f}", f"{v['second']:.0f}"] for w, v in data.items()]
+    header = ["num_workers", "per-sample seeding", "images/pass", "first pass (incl. worker start) images/s",
+              "second pass images/s", "seeded / unseeded (second pass)"]
+    rows = []
+    for name, v in data.items():
+        workers, _, unseeded = str(name).partition("-")
+        other = data.get(f"{workers}-unseeded") if not unseeded else None
+        ratio = f"{v['second'] / other['second']:.3f}" if other else "-"
+        rows.append([workers, "off" if unseeded else "on", str(v["images"]), f"{v['first']:.0f}",
+                     f"{v['second']:.0f}", ratio])
     return _table(header, rows, markdown)
 
 
@@ -169,6 +176,9 @@ def costs_table(results: Dict[str, Any], markdown: bool = False, top: int = 8) -
     return _table(header, rows, markdown)
 
 
+SEEDING_FLOOR = 0.95   # loader throughput with per-sample seeding, relative to without
+
+
 def targets(results: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Every target with its measured figure and whether it is met."""
     out = []
@@ -186,6 +196,11 @@ def targets(results: Dict[str, Any]) -> List[Dict[str, Any]]:
         worst = max(c["loss_diff"] for _, c in checked)
         out.append({"target": f"loss per epoch equal within {LOSS_TOLERANCE:g} ({len(checked)} cases)",
                     "measured": f"max {worst:.1e}", "meets": worst <= LOSS_TOLERANCE})
+    data = results.get("data") or {}
+    if "2" in data and "2-unseeded" in data:
+        ratio = data["2"]["second"] / data["2-unseeded"]["second"]
+        out.append({"target": f"loader with 2 workers, per-sample seeding >= {SEEDING_FLOOR:.2f}x without",
+                    "measured": f"{ratio:.3f}x", "meets": ratio >= SEEDING_FLOOR})
     imports = results.get("imports")
     if imports:
         v = imports["import basetrainer"]

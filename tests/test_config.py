@@ -283,13 +283,13 @@ def test_train_order_via_sampler_set_epoch():
     t1 = ToyTrainer(toy_cfg(seed=3, n_train=40))
     t2 = ToyTrainer(toy_cfg(seed=3, n_train=40))
     for epoch in (0, 1, 2):
-        t1.train_loader.sampler.set_epoch(epoch)
-        t2.train_loader.sampler.set_epoch(epoch)
-        assert list(t1.train_loader.sampler) == list(t2.train_loader.sampler)
-    t1.train_loader.sampler.set_epoch(0)
-    first = list(t1.train_loader.sampler)
-    t1.train_loader.sampler.set_epoch(2)
-    assert list(t1.train_loader.sampler) != first
+        t1.train_loader.batch_sampler.set_epoch(epoch)
+        t2.train_loader.batch_sampler.set_epoch(epoch)
+        assert list(t1.train_loader.batch_sampler) == list(t2.train_loader.batch_sampler)
+    t1.train_loader.batch_sampler.set_epoch(0)
+    first = list(t1.train_loader.batch_sampler)
+    t1.train_loader.batch_sampler.set_epoch(2)
+    assert list(t1.train_loader.batch_sampler) != first
 
 
 def test_train_loader_without_shuffle_is_in_order():

@@ -32,7 +32,7 @@ def _train(rank, cfg):
     t = ToyTrainer(cfg, callbacks=[AccuracyRecorder(), LossesRecorder()])
     history = t.run()
     return {"weights": _weights(t), "history": history.epochs, "world": comm.get_world_size(),
-            "local_batch": t.train_loader.batch_size}
+            "local_batch": len(next(iter(t.train_loader.batch_sampler)))}
 
 
 def _assert_same_weights(a, b, tol=1e-5):

@@ -114,7 +114,7 @@ class SeenData(Callback):
         self.inputs: Dict[int, List[torch.Tensor]] = {}
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.sampler_epochs.append(self.trainer.train_loader.sampler.epoch)
+        self.sampler_epochs.append(self.trainer.train_loader.batch_sampler.epoch)
         self.inputs[epoch] = []
 
     def on_train_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
@@ -122,14 +122,16 @@ class SeenData(Callback):
 
 
 def test_set_epoch_every_epoch_gives_distributed_sampler_order(monkeypatch):
+    from basetrainer.dataloader.sampler import GlobalBatchSampler
+
     calls: List[int] = []
-    original = DistributedSampler.set_epoch
+    original = GlobalBatchSampler.set_epoch
 
     def spy(self, epoch):
         calls.append(epoch)
         original(self, epoch)
 
-    monkeypatch.setattr(DistributedSampler, "set_epoch", spy)
+    monkeypatch.setattr(GlobalBatchSampler, "set_epoch", spy)
     seen = SeenData()
     t = ToyTrainer(toy_cfg(n_train=48, num_epochs=3, seed=7), callbacks=[seen])
     t.run()

@@ -231,3 +231,26 @@ def test_deferred_confusion_counts_equal_a_direct_count_over_many_batches():
     assert torch.equal(counts.matrix_2d(5), expected)
     counts.reset()
     assert counts.matrix is None
+
+
+def test_confusion_matrix_goes_to_a_file_and_tensorboard_and_one_line_to_the_log(tmp_path, caplog):
+    import logging
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from basetrainer.callbacks.log_history import LogHistory
+
+    accuracy = AccuracyRecorder(target_names=["ant", "bee", "cat", "dog"])
+    log_dir = tmp_path / "log"
+    t = ToyTrainer(toy_cfg(num_epochs=2, n_test=32),
+                   callbacks=[accuracy, LogHistory(log_dir=str(log_dir), log_freq=100)])
+    with caplog.at_level(logging.INFO, logger="basetrainer"):
+        t.run()
+    lines = [r.getMessage() for r in caplog.records if r.name == "basetrainer.metric.accuracy_recorder"]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)     # one line per test phase
+    assert all("test Accuracy" in line and "confusion_matrix.txt" in line for line in lines)
+    text = (log_dir / "confusion_matrix.txt").read_text()
+    assert text == accuracy.report() + "\n" and "confusion matrix" in text and "ant" in text
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    assert any(tag.startswith("test/confusion_matrix") for tag in events.Tags()["tensors"])

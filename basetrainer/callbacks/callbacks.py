@@ -91,6 +91,10 @@ class Callback:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def prepare_state(self) -> None:
+        """Called on every rank just before a checkpoint reads :meth:`state_dict` (the main
+        process's): the place for collectives, e.g. summing per-rank partial figures."""
+
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         pass
 

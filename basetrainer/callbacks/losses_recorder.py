@@ -1,5 +1,5 @@
 """Sample-weighted loss figures, kept on the device and reduced across ranks."""
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -21,30 +21,44 @@ class RunningSums:
     def reset(self) -> None:
         self.sums, self.count = {}, 0
 
-    def add(self, values: Dict[str, torch.Tensor], n: int) -> None:
+    def add(self, values: Dict[str, torch.Tensor], n: int, per_sample: bool = True) -> None:
+        """Add ``value x n`` per key (``per_sample=False``: values are already sums over the
+        ``n`` samples) and ``n`` samples."""
+        alpha = n if per_sample else 1
         for key, value in values.items():
             prev = self.sums.get(key)
             if prev is None:
-                self.sums[key] = value.detach().float() * n   # a new tensor: never the loss itself
+                self.sums[key] = value.detach().float() * alpha   # a new tensor: never the loss itself
             else:
-                prev.add_(value.detach(), alpha=n)
+                if prev.device != value.device:   # restored from a checkpoint on the CPU
+                    prev = self.sums[key] = prev.to(value.device)
+                prev.add_(value.detach(), alpha=alpha)
         self.count += n
 
-    def means(self, reduce: bool = False) -> Dict[str, float]:
+    def totals(self, reduce: bool = False) -> Tuple[Dict[str, float], float]:
+        """``({key: sum}, samples)``, summed over every rank when ``reduce`` (one host sync)."""
         keys = sorted(self.sums)
         if reduce and comm.get_world_size() > 1:  # a rank may have seen no batch (and no key)
             keys = sorted(set().union(*comm.all_gather_object(keys)))
         if not keys:
-            return {}
+            return {}, float(self.count)
         device = next(iter(self.sums.values())).device if self.sums else torch.device("cpu")
         zero = torch.zeros((), device=device)
-        packed = torch.stack([self.sums.get(k, zero).reshape(()) for k in keys] +
+        packed = torch.stack([self.sums.get(k, zero).reshape(()).to(device) for k in keys] +
                              [torch.tensor(float(self.count), device=device)])
         if reduce:
             packed = comm.all_reduce_sum(packed)
         values = packed.tolist()
-        count = values[-1]
-        return {k: (v / count if count else float("nan")) for k, v in zip(keys, values[:-1])}
+        return dict(zip(keys, values[:-1])), values[-1]
+
+    def means(self, reduce: bool = False) -> Dict[str, float]:
+        sums, count = self.totals(reduce)
+        return {k: (v / count if count else float("nan")) for k, v in sums.items()}
+
+    def load(self, sums: Dict[str, float], count: float) -> None:
+        """Start from saved totals (moved to the device of the first values added)."""
+        self.sums = {k: torch.tensor(float(v), dtype=torch.float32) for k, v in sums.items()}
+        self.count = int(round(count))
 
 
 def loss_parts(losses: Any, total_name: str) -> Dict[str, torch.Tensor]:
@@ -78,6 +92,8 @@ class LossesRecorder(Callback):
         self.indicator = indicator
         self.train = RunningSums()
         self.test = RunningSums()
+        self._partial: Optional[Dict[str, Any]] = None   # all ranks' sums of the epoch so far, to save
+        self._resumed = False
 
     @property
     def state_key(self) -> str:
@@ -93,12 +109,35 @@ class LossesRecorder(Callback):
         for key, value in sums.means(reduce=reduce).items():
             logs[f"{phase}/{key}"] = value
 
+    # ---------------------------------------------------------------- a resume inside an epoch
+    def prepare_state(self) -> None:
+        # every rank, before a checkpoint: the epoch's partial sums of all ranks (they add up)
+        self._partial = None
+        if self.trainer is not None and getattr(self.trainer, "phase", None) == "train":
+            sums, count = self.train.totals(reduce=True)
+            self._partial = {"sums": sums, "count": count}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"train": self._partial} if self._partial else {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        partial = state.get("train")
+        self.train.reset()
+        if partial and comm.get_rank() == 0:   # rank 0 carries every rank's part of the epoch so far
+            self.train.load(partial["sums"], partial["count"])
+        self._resumed = bool(partial)
+
+    # ---------------------------------------------------------------- events
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self._resumed:   # the resumed epoch goes on from its saved sums
+            self._resumed = False
+            return
         self.train.reset()
 
     def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
                          logs: Optional[dict] = None) -> None:
-        self.train.add(self._values(losses), batch_size_of(inputs))
+        self.train.add(self._values(losses), batch_size_of(inputs),
+                       per_sample=getattr(self.trainer, "loss_reduction", "mean") != "sum")
         if self.trainer is not None and self.trainer.should_log(batch):
             self._publish("train", self.train, logs, reduce=False)
 
@@ -108,7 +147,8 @@ class LossesRecorder(Callback):
 
     def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
                         logs: Optional[dict] = None) -> None:
-        self.test.add(self._values(losses), batch_size_of(inputs))
+        self.test.add(self._values(losses), batch_size_of(inputs),
+                      per_sample=getattr(self.trainer, "loss_reduction", "mean") != "sum")
 
     def on_test_end(self, logs: Optional[dict] = None) -> None:
         if self.trainer is None or self.trainer.test_loader is not None:

@@ -1,8 +1,10 @@
 """DataLoaders for every mode: the global batch split over the processes, seeded order.
 
-Training uses a :class:`~torch.utils.data.DistributedSampler` in every mode (one replica in one
-process): its permutation comes from (seed, epoch) and rank r takes the strided slice
-``perm[r::world_size]``, so step k of a single, DP or DDP run sees the same global batch.
+Training uses a :class:`~basetrainer.dataloader.sampler.GlobalBatchSampler` in every mode (one
+rank in one process): global batches from a (seed, epoch) permutation, each split over the
+ranks without padding, so step k of a single, DP or DDP run sees the same global batch, and
+every sample is trained on once per epoch. Items are loaded with their random generators seeded
+from (seed, epoch, index) (:class:`~basetrainer.dataloader.sampler.SeededDataset`).
 Evaluation shards the data without padding or duplicates (:class:`ShardSampler`).
 """
 import logging
@@ -10,8 +12,9 @@ import random
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
+from basetrainer.dataloader.sampler import GlobalBatchSampler, SeededDataset
 from basetrainer.runtime import comm
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,8 @@ class _WorkerSeeder:
 
 def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
                      shuffle: bool = True, pin_memory: bool = False, drop_last: bool = False,
-                     distributed: Optional[bool] = None, seed: int = 2020, **kwargs: Any) -> DataLoader:
+                     distributed: Optional[bool] = None, seed: int = 2020, seed_per_sample: bool = True,
+                     **kwargs: Any) -> DataLoader:
     """See :meth:`basetrainer.engine.trainer.EngineTrainer.build_dataloader`."""
     if phase not in ("train", "test"):
         raise ValueError(f"phase={phase!r} must be 'train' or 'test'")
@@ -73,46 +77,44 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     if batch_size < world:
         raise ValueError(f"batch_size={batch_size} is smaller than the number of processes ({world}); "
                          f"batch_size is the global batch: use at least {world}")
-    if batch_size % world:
-        logger.warning("batch_size=%d is not divisible by %d processes: each loads %d (global batch %d)",
-                       batch_size, world, batch_size // world, (batch_size // world) * world)
-    local_batch = batch_size // world
-    if phase == "train":
-        sampler: Sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
-                                              seed=seed, drop_last=False)
-        if drop_last and len(sampler) < local_batch:
-            raise ValueError(f"batch_size={batch_size} is larger than the training set ({size} samples) "
-                             f"with drop_last=True: no batch would be made. Lower batch_size or set "
-                             f"drop_last=False")
-    else:
-        sampler = ShardSampler(dataset, num_replicas=world, rank=rank)
     generator = torch.Generator()
     generator.manual_seed(seed + 1000003 * rank)
     persistent = kwargs.pop("persistent_workers", num_workers > 0)
-    return DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=drop_last, generator=generator,
-                      worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None)),
-                      persistent_workers=persistent and num_workers > 0, **kwargs)
+    common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=generator,
+                  worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None)),
+                  persistent_workers=persistent and num_workers > 0, **kwargs)
+    if phase == "test":
+        return DataLoader(dataset, batch_size=max(1, batch_size // world), drop_last=drop_last,
+                          sampler=ShardSampler(dataset, num_replicas=world, rank=rank), **common)
+    batches = GlobalBatchSampler(size, batch_size, world=world, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last, with_epoch=seed_per_sample)
+    if len(batches) == 0:
+        raise ValueError(f"batch_size={batch_size} is larger than the training set ({size} samples) "
+                         f"with drop_last=True: no batch would be made. Lower batch_size or set drop_last=False")
+    if seed_per_sample:
+        dataset = SeededDataset(dataset, seed)
+    return DataLoader(dataset, batch_sampler=batches, **common)
 
 
 def check_equal_lengths(loader: Any) -> None:
     """In a distributed run, every rank must see the same number of train batches, or DDP
-    hangs at the first step one rank does not take: compare them up front."""
+    hangs at the first step one rank does not take: compare them up front (loaders made by
+    :func:`build_dataloader` always agree)."""
     if not comm.is_dist() or comm.get_world_size() == 1:
         return
     lengths = comm.all_gather_object(len(loader))
     if len(set(lengths)) > 1:
         raise RuntimeError(f"ranks have different numbers of train batches {lengths}: DDP would hang. "
-                           f"Use build_dataloader (it pads the train set evenly) or give every rank "
-                           f"the same number of samples")
+                           f"Use build_dataloader (every rank takes a share of every global batch) "
+                           f"or give every rank the same number of batches")
 
 
 def set_epoch(loader: Any, epoch: int, seed: int, rank: int) -> None:
     """Tell ``loader``'s (distributed) samplers which epoch it is, so they reshuffle, and seed
     its worker generator from (seed, epoch, rank)."""
-    done: list = []  # a DataLoader's batch_sampler usually wraps the same sampler: call it once
-    for holder in (loader, getattr(loader, "batch_sampler", None)):
-        sampler = getattr(holder, "sampler", None)
+    batches = getattr(loader, "batch_sampler", None)
+    done: list = []  # a DataLoader's batch_sampler usually wraps its sampler: call each once
+    for sampler in (getattr(loader, "sampler", None), batches, getattr(batches, "sampler", None)):
         if hasattr(sampler, "set_epoch") and not any(sampler is s for s in done):
             sampler.set_epoch(epoch)
             done.append(sampler)

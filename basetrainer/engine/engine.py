@@ -14,11 +14,14 @@ from torch import nn
 from basetrainer.callbacks.callbacks import Callback, CallbackList
 from basetrainer.dataloader import loader as loaders
 from basetrainer.engine import precision
+from basetrainer.engine.checks import check_ready
 from basetrainer.engine.guard import NonFiniteGuard, total_loss
 from basetrainer.engine.history import History
 from basetrainer.engine import preemption
 from basetrainer.engine.preemption import Preemption, shield_loader
 from basetrainer.engine.run_state import RunState
+from basetrainer.engine.steps import EpochSteps
+from basetrainer.models.sync_batchnorm import placeholder_batch
 from basetrainer.runtime import checkpoint, comm
 from basetrainer.runtime.modules import unwrap_model
 
@@ -76,6 +79,12 @@ class Engine(RunState):
         self._restored_logs: Dict[str, Any] = {}
         self._checkpoint_asked: Optional[bool] = None  # an epoch-end checkpoint was asked (background?)
         self._saved_at: Optional[tuple] = None
+        self._save_deferred: Optional[bool] = None     # a mid-window save waits for the window's end
+        self.loss_reduction = "mean"    # what run_step's loss is over the batch: mean | sum
+        self._steps: Optional[EpochSteps] = None
+        self._placeholder = False       # this step's batch is a placeholder (no sample of this rank)
+        self._updated = True            # the last step ended its accumulation window
+        self._stop_agreed = False
         self._compile_checked = True
 
     # ----------------------------------------------------------------------------- callbacks
@@ -94,8 +103,7 @@ class Engine(RunState):
         Args:
             logs: initial content of the run's ``logs`` dict (copied; a fresh dict per run).
         """
-        self._check_ready()
-        precision.check(self.amp, self.device, self.accumulate_steps)
+        check_ready(self)
         self.scaler = self.scaler or precision.make_scaler(self.amp)
         self._non_blocking = self.device.type == "cuda"
         self.restore()
@@ -103,7 +111,7 @@ class Engine(RunState):
         self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
         for loader in (self.train_loader, self.test_loader):
             shield_loader(loader)
-        self.history, self.stop_training = History(), False
+        self.history, self.stop_training, self._stop_agreed = History(), False, False
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         finished = False
@@ -150,13 +158,18 @@ class Engine(RunState):
     def run_train_epoch(self, epoch: int, logs: dict) -> None:
         self.model.train()
         self.phase = "train"
-        self._steps_in_epoch = len(self.train_loader)
+        self._steps = EpochSteps(self.train_loader, self.accumulate_steps, self.loss_reduction)
+        self._steps_in_epoch = self._steps.steps
         skip, self._skip_batches = self._skip_batches, 0
         self.batch_in_epoch = skip
-        if skip == 0:
+        sampler = getattr(self.train_loader, "batch_sampler", None)
+        start = skip if skip and hasattr(sampler, "start_at") else 0
+        if start:
+            sampler.start_at(skip)      # a mid-epoch resume: no batch before the stop is loaded
+        if start or not skip:
             self._apply_pending_rng()
-        for batch, data in enumerate(preemption.start(self.train_loader)):
-            if batch < skip:  # mid-epoch resume: these batches were trained before the stop
+        for batch, data in enumerate(preemption.start(self.train_loader), start=start):
+            if batch < skip:  # (a loader that cannot start late) the batches trained before the stop
                 if batch == skip - 1:  # generators as at the stop, before the next batch is made
                     self._apply_pending_rng()
                 continue
@@ -165,35 +178,37 @@ class Engine(RunState):
             data = self.to_device(data)
             outputs, losses = self.train_step(data, batch)
             self.batch_in_epoch = batch + 1
-            self.dispatch("on_train_summary", data, outputs, losses, epoch, batch, logs)
+            if not self._placeholder:   # a placeholder batch holds no sample of this rank
+                self.dispatch("on_train_summary", data, outputs, losses, epoch, batch, logs)
             self.dispatch("on_batch_end", batch, logs)
             if self.should_log(batch):
                 self._guard.check(epoch)
+            if self._updated and self._save_deferred is not None:   # asked inside the window
+                self.save_checkpoint(background=self._save_deferred)
             if self._stop_requested(batch):
                 self.preempt(f"epoch {epoch}, step {batch + 1}")
         self._guard.check(epoch)
 
     def train_step(self, data: Any, batch: int) -> Tuple[Any, Any]:
-        """Forward, backward and (every ``accumulate_steps`` micro-batches) the optimizer step."""
-        k = self.accumulate_steps
-        start = (batch // k) * k
-        end = min(start + k, self._steps_in_epoch)
-        update = batch + 1 >= end
+        """Forward, backward (the loss weighted by this rank's share of the window's samples,
+        see :mod:`basetrainer.engine.steps`) and, at the window's end, the optimizer step."""
+        update, weight, self._placeholder = self._steps.plan(batch)
         no_sync = (not update and isinstance(self.model, nn.parallel.DistributedDataParallel))
         with self.model.no_sync() if no_sync else contextlib.nullcontext():
-            with self.autocast():
+            with self.autocast(), placeholder_batch(self._placeholder):
                 if self._compile_checked:
                     outputs, losses = self.run_step(data)
                 else:
                     outputs, losses = self._first_compiled_step(data)
             loss = total_loss(losses)
             self._guard.watch(batch, loss, losses)
-            if end - start > 1:
-                loss = loss / (end - start)
+            if weight != 1.0:
+                loss = loss * weight
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
+        self._updated = update
         if update:
             self.optimizer_step()
         return outputs, losses
@@ -244,6 +259,11 @@ class Engine(RunState):
         Returns:
             ``(outputs, losses)``; losses may be a tensor, a tuple or a dict of tensors.
         """
+        if isinstance(inputs, dict) or not isinstance(inputs, (list, tuple)) or len(inputs) < 2:
+            raise TypeError(f"the default run_step takes (inputs, targets) batches, got a {type(inputs).__name__}"
+                            + (f" with keys {sorted(inputs)}" if isinstance(inputs, dict) else "")
+                            + f": override {type(self).__name__}.run_step(self, batch) -> (outputs, losses), "
+                              f"or make the data set return (inputs, targets)")
         data, targets = inputs[0], inputs[1]
         if self.loss_in_replica:
             outputs, loss_sums, counts = self.model(data, targets)
@@ -263,16 +283,6 @@ class Engine(RunState):
     def autocast(self) -> Any:
         return precision.autocast(self.amp, self.device)
 
-    def _check_ready(self) -> None:
-        missing = [name for name in ("model", "optimizer") if getattr(self, name) is None]
-        if self.train_loader is not None and missing:
-            raise RuntimeError(f"{type(self).__name__}.run(): {', '.join(missing)} not set; "
-                               f"build them (build_model/build_optimizer) before run()")
-        if self.train_loader is None and self.test_loader is None:
-            raise RuntimeError(f"{type(self).__name__}.run(): neither train_loader nor test_loader is set")
-        if self.num_epochs is None or int(self.num_epochs) <= 0:
-            raise ValueError(f"num_epochs={self.num_epochs!r} must be a positive integer")
-
     def _first_compiled_step(self, data: Any) -> Tuple[Any, Any]:
         try:
             result = self.run_step(data)
@@ -281,14 +291,6 @@ class Engine(RunState):
                                f"set compile: false to train without it") from e
         self._compile_checked = True
         return result
-
-    def _stop_requested(self, batch: int) -> bool:
-        """A signal asked to stop. One process: stop after this step. DDP: every rank must stop
-        at the same step, so all ranks compare flags every ``log_freq`` steps (a signal that
-        reached any rank stops them all)."""
-        if comm.get_world_size() == 1:
-            return self._preemption.requested
-        return self.should_log(batch) and comm.any_true(self._preemption.requested)
 
     @property
     def unwrapped_model(self) -> nn.Module:

@@ -43,7 +43,9 @@ class RunState:
     def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> Optional[str]:
         """Write a resumable checkpoint of this point (every rank calls it: it gathers every
         rank's RNG state; the main process writes). A second save at the same point writes
-        nothing. Returns the path (None without a checkpoint folder).
+        nothing. Inside an accumulation window the save waits for the window's end (the
+        accumulated gradients are not saved). Returns the path (None without a checkpoint
+        folder, or when the save waits).
 
         Args:
             path: default ``<checkpoint_dir()>/last.pth`` (then the files callbacks staged are
@@ -57,11 +59,18 @@ class RunState:
         folder = self.checkpoint_folder()
         if path is None and folder is None:
             return None
+        if self.phase == "train" and not self._updated:   # inside an accumulation window
+            self._save_deferred = background if self._save_deferred is None else (self._save_deferred and background)
+            return None
+        self._save_deferred = None
         at = (self.epoch, self.phase, self.batch_in_epoch, self.global_step)
         if path is None and at == self._saved_at:
             if not background:
                 atomic.wait_for_writes()
             return folder.last
+        for cb in self.callbacks or []:   # every rank: callbacks may reduce per-rank state here
+            if hasattr(cb, "prepare_state"):
+                cb.prepare_state()
         rngs = comm.all_gather_object(checkpoint.rng_state())
         if comm.is_main_process():
             target = folder if path is None else checkpoint.CheckpointFolder(os.path.dirname(os.path.abspath(path)))
@@ -107,6 +116,17 @@ class RunState:
         if self._pending_rng is not None:
             checkpoint.set_rng_state(self._pending_rng)
             self._pending_rng = None
+
+    def _stop_requested(self, batch: int) -> bool:
+        """A signal asked to stop. One process: stop after this step. DDP: every rank must stop
+        at the same step, so all ranks compare flags every ``log_freq`` steps (a signal that
+        reached any rank stops them all). Inside an accumulation window: at its end."""
+        if not self._stop_agreed:
+            if comm.get_world_size() == 1:
+                self._stop_agreed = self._preemption.requested
+            elif self.should_log(batch):
+                self._stop_agreed = comm.any_true(self._preemption.requested)
+        return self._stop_agreed and self._updated
 
     def preempt(self, where: str) -> None:
         """Save a resumable checkpoint of this point and exit with status 128 + signal number."""

@@ -63,6 +63,10 @@ class EngineTrainer(Engine):
         self.log_freq = cfg.log_freq
         self.amp = str(cfg.amp).lower()
         self.accumulate_steps = cfg.accumulate_steps
+        if cfg.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"config key 'loss_reduction' = {cfg.loss_reduction!r} must be 'mean' (run_step returns "
+                             f"the mean loss over its batch, the default) or 'sum' (the sum over its samples)")
+        self.loss_reduction = cfg.loss_reduction
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.channels_last = bool(cfg.channels_last)
         self._compile_checked = not cfg.compile
@@ -154,26 +158,36 @@ class EngineTrainer(Engine):
     # ----------------------------------------------------------------------------- helpers
     def build_dataloader(self, dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
                          shuffle: bool = True, pin_memory: Optional[bool] = None, drop_last: bool = False,
-                         distributed: Optional[bool] = None, **kwargs: Any) -> DataLoader:
+                         distributed: Optional[bool] = None, seed_per_sample: Optional[bool] = None,
+                         **kwargs: Any) -> DataLoader:
         """A DataLoader whose order depends only on (seed, epoch), in every mode.
 
         Args:
             dataset: the data set.
-            batch_size: the *global* batch; each of the ``world_size`` processes loads
-                ``batch_size // world_size``.
+            batch_size: the *global* batch: every step, each of the ``world_size`` processes
+                loads its share (they differ by at most one sample; with ``phase="test"``, each
+                loads ``batch_size // world_size``).
             num_workers: worker processes per training process.
-            phase: ``"train"`` (a seeded, per-epoch shuffled, rank-strided sampler) or
-                ``"test"`` (each rank a disjoint shard, no padding or duplicates).
+            phase: ``"train"`` (global batches of a (seed, epoch) permutation, each split over
+                the ranks, every sample once per epoch, no padding) or ``"test"`` (each rank a
+                disjoint shard, no padding or duplicates).
             shuffle: shuffle the training order (per epoch, from the seed).
             pin_memory: pin host memory, so that batches are copied to the GPU asynchronously
                 (``non_blocking``); default (None): when training on CUDA. Never on the CPU.
-            drop_last: drop the last incomplete batch.
+            drop_last: drop the last incomplete global batch (in every mode).
             distributed: shard over the processes (default: whenever a process group exists).
+            seed_per_sample: load each train sample with python's, numpy's and torch's random
+                generators seeded from (seed, epoch, index), so random augmentation is the same
+                whatever worker, batch or resumed run loads it (default: the config's
+                ``seed_per_sample``, true; about 8 us per sample).
             **kwargs: passed to :class:`torch.utils.data.DataLoader` (e.g. ``collate_fn``).
         """
+        if seed_per_sample is None:
+            seed_per_sample = bool(self.cfg.get("seed_per_sample", True))
         return data.build_dataloader(dataset, batch_size, num_workers, phase=phase, shuffle=shuffle,
                                      pin_memory=pin_memory is not False and self.device.type == "cuda",
-                                     drop_last=drop_last, distributed=distributed, seed=self.seed, **kwargs)
+                                     drop_last=drop_last, distributed=distributed, seed=self.seed,
+                                     seed_per_sample=seed_per_sample, **kwargs)
 
     def build_model_parallel(self, model: nn.Module, gpu_id: Optional[Sequence[int]] = None,
                              distributed: Optional[bool] = None, **kwargs: Any) -> nn.Module:

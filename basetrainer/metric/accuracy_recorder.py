@@ -1,11 +1,12 @@
 """Classification accuracy (top-1, optional top-k), per-class accuracy and confusion matrix."""
 import logging
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, targets_of
-from basetrainer.runtime import comm
+from basetrainer.runtime import atomic, comm
 
 _logger = logging.getLogger(__name__)
 
@@ -56,7 +57,14 @@ class ConfusionCounts:
             top = outputs.topk(min(max(ks), c), dim=1).indices
             hit = top == targets[:, None]
             counts = torch.stack([hit[:, :k].any(dim=1).sum() for k in ks])
-            self.hits = counts if self.hits is None else self.hits + counts
+            self.hits = counts if self.hits is None else self.hits.to(counts.device) + counts
+
+    def load(self, matrix: torch.Tensor, hits: Optional[torch.Tensor]) -> None:
+        """Start from saved counts (a ``[c, c]`` matrix; moved to the device of the next update)."""
+        self.reset()
+        self._classes = int(matrix.shape[0])
+        self._matrix = matrix.reshape(-1).long()
+        self.hits = None if hits is None or hits.numel() == 0 else hits.long()
 
     def _fold(self) -> None:
         if not self._pending:
@@ -72,7 +80,7 @@ class ConfusionCounts:
         if self._matrix is not None and self._matrix.numel() != c * c:
             raise ValueError(f"AccuracyRecorder: the model's outputs changed from "
                              f"{int(round(self._matrix.numel() ** 0.5))} to {c} classes within a phase")
-        self._matrix = counts if self._matrix is None else self._matrix + counts
+        self._matrix = counts if self._matrix is None else self._matrix.to(counts.device) + counts
 
     def matrix_2d(self, num_classes: int) -> torch.Tensor:
         matrix = self.matrix
@@ -85,9 +93,11 @@ class ConfusionCounts:
 class AccuracyRecorder(Callback):
     """Writes ``logs["train/<indicator>"]`` and ``logs["test/<indicator>"]``: the fraction of
     samples whose top-1 prediction is right, over the whole epoch and every process; with
-    ``topk=(1, 5)`` also ``"<phase>/<indicator>_top5"``. At the end of each test phase it logs
-    the per-class accuracy and the confusion matrix (main process), and keeps them as
-    ``self.per_class`` and ``self.confusion_matrix``.
+    ``topk=(1, 5)`` also ``"<phase>/<indicator>_top5"``. At the end of each test phase it keeps
+    the per-class accuracy and the confusion matrix as ``self.per_class`` and
+    ``self.confusion_matrix``; the main process logs one line (the figure and the lowest
+    per-class accuracies) and writes the whole table to ``<log_dir>/confusion_matrix.txt`` and,
+    when a LogHistory writes TensorBoard, as the text ``test/confusion_matrix``.
 
     Figures are computed from a confusion matrix kept on the device; they are read every
     ``log_freq`` steps (running train figure) and at the end of each phase.
@@ -96,11 +106,14 @@ class AccuracyRecorder(Callback):
         target_names: class names (their count fixes the number of classes when given).
         indicator: the figure's name (default ``"Accuracy"``).
         topk: which top-k accuracies to report; 1 is always reported.
-        logger: where the per-class table goes (default: this module's logger).
+        logger: where the summary line goes (default: this module's logger).
+        log_dir: the folder of ``confusion_matrix.txt``; default the trainer's LogHistory's
+            ``log_dir`` (none: no file).
     """
 
     def __init__(self, target_names: Optional[Sequence[str]] = None, indicator: str = "Accuracy",
-                 topk: Sequence[int] = (1,), logger: Optional[logging.Logger] = None) -> None:
+                 topk: Sequence[int] = (1,), logger: Optional[logging.Logger] = None,
+                 log_dir: Optional[str] = None) -> None:
         super().__init__()
         if any((not isinstance(k, int)) or k < 1 for k in topk):
             raise ValueError(f"topk={tuple(topk)!r}: each k must be a positive integer")
@@ -112,6 +125,10 @@ class AccuracyRecorder(Callback):
         self.test = ConfusionCounts(self.topk)
         self.confusion_matrix: Optional[torch.Tensor] = None
         self.per_class: Dict[str, float] = {}
+        self.log_dir = log_dir
+        self._history: Any = None      # the LogHistory whose folder and TensorBoard writer are used
+        self._partial: Optional[Dict[str, Any]] = None   # all ranks' train counts so far, to save
+        self._resumed = False
 
     @property
     def state_key(self) -> str:
@@ -144,7 +161,7 @@ class AccuracyRecorder(Callback):
         packed = packed.cpu()
         matrix = packed[: c * c].reshape(c, c)
         total = int(matrix.sum())
-        figures: Dict[str, Any] = {"matrix": matrix, "total": total}
+        figures: Dict[str, Any] = {"matrix": matrix, "hits": packed[c * c:], "total": total}
         figures[self.indicator] = float(matrix.diag().sum()) / total if total else float("nan")
         for k, h in zip(ks, packed[c * c:].tolist()):
             figures[f"{self.indicator}_top{k}"] = h / total if total else float("nan")
@@ -157,8 +174,37 @@ class AccuracyRecorder(Callback):
             if key.startswith(self.indicator):
                 logs[f"{phase}/{key}"] = value
 
+    # ---------------------------------------------------------------- a resume inside an epoch
+    def prepare_state(self) -> None:
+        # every rank, before a checkpoint: the epoch's counts so far over all ranks (they add up)
+        self._partial = None
+        if self.trainer is not None and getattr(self.trainer, "phase", None) == "train":
+            figures = self.compute(self.train, reduce=True)
+            if figures:
+                self._partial = {"matrix": figures["matrix"], "hits": figures["hits"]}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"train": self._partial} if self._partial else {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        partial = state.get("train")
+        self.train.reset()
+        if partial and comm.get_rank() == 0:   # rank 0 carries every rank's counts so far
+            self.train.load(partial["matrix"], partial.get("hits"))
+        self._resumed = bool(partial)
+
     # ---------------------------------------------------------------- events
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.log_dir is None:
+            self._history = next((c for c in getattr(self.trainer, "callbacks", None) or []
+                                  if c is not self and getattr(c, "log_dir", None)), None)
+        else:
+            self._history = None
+
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self._resumed:   # the resumed epoch goes on from its saved counts
+            self._resumed = False
+            return
         self.train.reset()
 
     def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
@@ -190,7 +236,23 @@ class AccuracyRecorder(Callback):
         self.per_class = {n: (float(matrix[i, i]) / int(support[i]) if int(support[i]) else float("nan"))
                           for i, n in enumerate(names)}
         if self.is_main_process:
-            self.logger.info("%s", self.report())
+            self._write_report(figures)
+
+    def _write_report(self, figures: Dict[str, Any]) -> None:
+        """One line to the log; the whole table to a file and to TensorBoard."""
+        history = self._history if getattr(self._history, "is_main_process", False) else None
+        folder = self.log_dir or getattr(history, "log_dir", None)
+        lowest = sorted((v, n) for n, v in self.per_class.items() if v == v)[:3]
+        path = os.path.join(folder, "confusion_matrix.txt") if folder else None
+        self.logger.info("test %s %.4f over %d samples; lowest per class: %s%s", self.indicator,
+                         figures[self.indicator], figures["total"], ", ".join(f"{n} {v:.4f}" for v, n in lowest),
+                         f" (table: {path})" if path else "")
+        report = self.report()
+        if path:
+            atomic.write_atomically(report + "\n", path)
+        writer = getattr(history, "writer", None)
+        if writer is not None and self.trainer is not None:
+            writer.add_text("test/confusion_matrix", "```\n" + report + "\n```", self.trainer.epoch)
 
     def class_names(self, num_classes: int) -> List[str]:
         names = list(self.target_names or [])

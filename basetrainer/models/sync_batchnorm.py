@@ -4,10 +4,29 @@ torch's :class:`~torch.nn.SyncBatchNorm` runs on GPUs only. This one sums the pe
 count, sum and sum of squares with an autograd-aware all-reduce, so forward and backward equal
 plain BatchNorm over the global batch; on CUDA the trainer uses torch's own.
 """
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_reduce
+
+
+_placeholder = False
+
+
+@contextlib.contextmanager
+def placeholder_batch(active: bool = True) -> Iterator[None]:
+    """While active, this rank's batch is a placeholder (its share of the global batch is
+    empty): GlobalBatchNorm layers count none of its samples in the batch statistics, though
+    the forward runs (the other ranks wait for its collectives)."""
+    global _placeholder
+    previous, _placeholder = _placeholder, bool(active)
+    try:
+        yield
+    finally:
+        _placeholder = previous
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -24,6 +43,8 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         dims = [0] + list(range(2, input.dim()))
         count = torch.full((1,), input.numel() / input.shape[1], dtype=input.dtype, device=input.device)
         stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
+        if _placeholder:
+            stats = stats * 0
         stats = all_reduce(stats)
         c = input.shape[1]
         n = stats[-1]

@@ -94,6 +94,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "overwrite": (False, "bool", "start a new run in a work_dir holding another run: move the old one aside"),
     "amp": ("none", "str", "mixed precision: none, fp16 (CUDA), bf16"),
     "accumulate_steps": (1, "int", "micro-batches per optimizer step"),
+    "loss_reduction": ("mean", "str", "what run_step's loss is over the batch: mean (per sample) or sum"),
+    "seed_per_sample": (True, "bool", "seed random draws of each train sample from (seed, epoch, index)"),
     "channels_last": (False, "bool", "channels-last memory format for 4-D inputs and the model"),
     "compile": (False, "bool", "wrap the model with torch.compile"),
     "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),

@@ -1,0 +1,229 @@
+"""A DDP or resumed run equals the plain run on ordinary data: data sets that do not divide by
+the ranks or the batch, random augmentation in worker processes, resumes inside an epoch and
+inside an accumulation window."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+from basetrainer.runtime import comm
+
+from conftest import ROOT, ToyTrainer, blobs, run_distributed, toy_cfg
+
+PY = sys.executable
+
+
+class Counted(Callback):
+    """Counts the samples this rank trained on (from on_train_summary), per epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def on_train_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self.counts[epoch] = self.counts.get(epoch, 0) + int(inputs[0].shape[0])
+
+
+class UnevenTrainer(ToyTrainer):
+    def build_train_loader(self, cfg, **kwargs):
+        return self.build_dataloader(blobs(cfg.n_train, 4, seed=0), cfg.batch_size, 0, phase="train",
+                                     shuffle=True, drop_last=cfg.drop_last)
+
+
+CASES = [  # (samples, global batch, drop_last)
+    (251, 30, False), (251, 30, True), (241, 30, False), (241, 30, True)]
+
+
+def _train_cases(rank, cases, bn=False):
+    out = []
+    for n, batch, drop_last in cases:
+        counted = Counted()
+        t = UnevenTrainer(toy_cfg(num_epochs=3, n_train=n, batch_size=batch, drop_last=drop_last, lr=0.2,
+                                  momentum=0.9, bn=bn, sync_bn=bn, distributed=comm.get_world_size() > 1),
+                          callbacks=[LossesRecorder(), AccuracyRecorder(), counted])
+        history = t.run()
+        total = sum(comm.all_gather_object(counted.counts.get(0, 0)))
+        out.append({"weights": {k: v.detach().clone() for k, v in t.unwrapped_model.state_dict().items()},
+                    "history": history.epochs, "samples": total})
+    return out
+
+
+def _close(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_equals_one_process_on_data_that_does_not_divide(tmp_path, world):
+    single = _train_cases(0, CASES)
+    ranks = run_distributed(_train_cases, world, tmp_path, CASES, timeout=300)
+    for (n, batch, drop_last), one, *many in zip(CASES, single, *ranks):
+        kept = n // batch * batch if drop_last else n
+        assert one["samples"] == kept          # every sample once, no padding, no duplicate
+        for r in many:
+            assert r["samples"] == kept
+            assert _close(one["weights"], r["weights"]) < 1e-5, (n, batch, drop_last, world)
+            for a, b in zip(one["history"], r["history"]):   # the train figures count each sample once
+                assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-5)
+                assert b["train/Accuracy"] == pytest.approx(a["train/Accuracy"], abs=1e-9)
+
+
+def test_loss_reduction_sum_trains_like_the_mean():
+    class SumTrainer(UnevenTrainer):
+        def run_step(self, inputs):
+            x, y = inputs
+            out = self.model(x)
+            return out, nn.functional.cross_entropy(out, y, reduction="sum")
+
+    cfg = dict(num_epochs=2, n_train=70, batch_size=16, drop_last=False, lr=0.2, momentum=0.9, accumulate_steps=2)
+    mean = UnevenTrainer(toy_cfg(**cfg), callbacks=[LossesRecorder()])
+    mean_history = mean.run()
+    summed = SumTrainer(toy_cfg(loss_reduction="sum", **cfg), callbacks=[LossesRecorder()])
+    sum_history = summed.run()
+    assert _close(mean.unwrapped_model.state_dict(), summed.unwrapped_model.state_dict()) < 1e-6
+    assert sum_history["train/loss"] == pytest.approx(mean_history["train/loss"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- augmentation, resumes
+SCRIPT = textwrap.dedent("""
+    import os, random, signal, sys
+    import numpy as np, torch
+    sys.path.insert(0, {tests!r})
+    from torch.utils.data import Dataset
+    from conftest import ToyTrainer, blobs, toy_cfg
+    from basetrainer.callbacks.callbacks import Callback
+    from basetrainer.callbacks.log_history import LogHistory
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+    class Augmented(Dataset):
+        # random noise from torch, numpy and python's random, as augmentations draw it
+        def __init__(self):
+            self.data = blobs(100, 4, seed=0)
+        def __len__(self):
+            return len(self.data)
+        def __getitem__(self, i):
+            x, y = self.data[i]
+            return x + 0.3 * torch.randn(16) + 0.2 * float(np.random.rand()) - 0.2 * random.random(), y
+
+    class Trainer(ToyTrainer):
+        def build_train_loader(self, cfg, **kwargs):
+            return self.build_dataloader(Augmented(), cfg.batch_size, cfg.num_workers, phase="train",
+                                         persistent_workers=cfg.persistent)
+
+    class Kill(Callback):
+        def __init__(self, epoch, batch):
+            super().__init__()
+            self.at = (epoch, batch)
+        def on_batch_end(self, batch, logs=None):
+            if (self.trainer.epoch, batch) == self.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if __name__ == "__main__":
+        work, workers, persistent, accumulate, resume, epoch, batch = sys.argv[1:8]
+        cfg = toy_cfg(num_epochs=3, batch_size=16, lr=0.1, momentum=0.9, num_workers=int(workers),
+                      persistent=persistent == "1", accumulate_steps=int(accumulate), work_dir=work,
+                      resume=resume, log_freq=3)
+        callbacks = [LossesRecorder(), LogHistory(log_dir=os.path.join(work, "log"), log_freq=3),
+                     ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss", save_freq_steps=1,
+                                     async_save=False)]
+        if int(epoch) >= 0:
+            callbacks.append(Kill(int(epoch), int(batch)))
+        t = Trainer(cfg, callbacks=callbacks)
+        t.run()
+        torch.save(t.unwrapped_model.state_dict(), os.path.join(work, "final.pt"))
+""")
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("exact") / "augmented.py"
+    path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    return str(path)
+
+
+def _run(script, work, workers=0, persistent=True, accumulate=1, resume="", kill=(-1, -1)):
+    return subprocess.run([PY, script, str(work), str(workers), "1" if persistent else "0", str(accumulate),
+                           resume, str(kill[0]), str(kill[1])], capture_output=True, text=True, timeout=300)
+
+
+def _final(work):
+    return torch.load(os.path.join(str(work), "final.pt"), weights_only=True)
+
+
+def _history(work):
+    with open(os.path.join(str(work), "log", "history.csv"), newline="") as f:
+        return [{k: v for k, v in row.items() if k != "epoch_time"} for row in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, True), (2, True), (2, False)])
+def test_sigkill_mid_epoch_with_random_augmentation_resumes_exactly(tmp_path, script, workers, persistent):
+    ref = _run(script, tmp_path / "ref", workers, persistent)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = _run(script, tmp_path / "run", workers, persistent, kill=(1, 3))
+    assert killed.returncode == -signal.SIGKILL
+    state = torch.load(tmp_path / "run" / "model" / "last.pth", weights_only=True)
+    assert (state["epoch"], state["phase"], state["batch"]) == (1, "train", 4)
+    resumed = _run(script, tmp_path / "run", workers, persistent, resume="auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _close(_final(tmp_path / "ref"), _final(tmp_path / "run")) < 1e-6
+    assert _history(tmp_path / "run") == _history(tmp_path / "ref")   # the resumed epoch's train/loss too
+
+
+def test_augmentation_depends_on_the_sample_not_on_the_workers(tmp_path, script):
+    runs = [_run(script, tmp_path / f"w{w}", w) for w in (0, 2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    assert _close(_final(tmp_path / "w0"), _final(tmp_path / "w2")) < 1e-6
+
+
+def test_sigkill_inside_an_accumulation_window_resumes_exactly(tmp_path, script):
+    ref = _run(script, tmp_path / "ref", accumulate=3)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = _run(script, tmp_path / "run", accumulate=3, kill=(1, 4))   # window of steps 3, 4, 5
+    assert killed.returncode == -signal.SIGKILL
+    state = torch.load(tmp_path / "run" / "model" / "last.pth", weights_only=True)
+    assert (state["epoch"], state["batch"]) == (1, 3)   # saved at the window's end only
+    resumed = _run(script, tmp_path / "run", accumulate=3, resume="auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _close(_final(tmp_path / "ref"), _final(tmp_path / "run")) < 1e-6
+    assert _history(tmp_path / "run") == _history(tmp_path / "ref")
+
+
+# ----------------------------------------------------------------------------- clear errors
+class DictData(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        x, y = blobs(32, 4, seed=0)[i]
+        return {"image": x, "label": y}
+
+
+class DictTrainer(ToyTrainer):
+    def build_train_loader(self, cfg, **kwargs):
+        return self.build_dataloader(DictData(), cfg.batch_size, 0, phase="train")
+
+
+def test_a_dict_batch_with_the_default_run_step_says_what_to_do():
+    with pytest.raises(TypeError) as err:
+        DictTrainer(toy_cfg(num_epochs=1)).run()
+    assert "run_step" in str(err.value) and "'image'" in str(err.value) and "(inputs, targets)" in str(err.value)
+
+
+def test_an_optimizer_of_other_parameters_is_refused_at_run():
+    class Detached(ToyTrainer):
+        def build_optimizer(self, cfg, **kwargs):
+            return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+
+    with pytest.raises(RuntimeError, match="none of the model's parameters"):
+        Detached(toy_cfg(num_epochs=1)).run()

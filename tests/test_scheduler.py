@@ -175,14 +175,27 @@ def test_warmup_covering_all_epochs_warns(caplog):
     ({"num_epochs": 0}, "num_epochs=0 must be a positive integer"),
     ({"num_steps": 0}, "num_steps=0 must be the number of train steps per epoch"),
     ({"num_warn_up": -1}, "num_warn_up=-1"),
-    ({"lr": -0.1}, "lr=-0.1 must be a positive number"),
+    ({"lr": -0.1}, "lr_init=-0.1 must be a finite number >= 0"),
+    ({"lr": -1}, "lr_init=-1 must be a finite number >= 0"),
+    ({"lr": float("nan")}, "lr_init=nan must be a finite number >= 0"),
+    ({"lr": float("inf")}, "lr_init=inf must be a finite number >= 0"),
     ({"name": "step", "step_size": 0}, "step_size=0 must be a positive integer"),
     ({"name": "cosine", "lr_min": 0.2}, "lr_min=0.2 must be >= 0 and below lr=0.1"),
+    ({"name": "cosine", "lr_min": float("nan")}, "lr_min=nan must be a finite number >= 0"),
+    ({"name": "cosine", "lr": 0, "lr_min": 0.01}, "lr_min=0.01 must be 0 when the lr is 0"),
 ])
 def test_bad_numbers_raise(kwargs, words):
     with pytest.raises(ValueError) as info:
         make_sched(**kwargs)
     assert words in str(info.value)
+
+
+def test_lr_0_is_allowed_and_keeps_every_step_at_0():
+    for name, kw in [("constant", {}), ("cosine", {"lr_min": 0.0}), ("multi-step", {"milestones": [1]})]:
+        sched = make_sched(name, lr=0, num_warn_up=1, **kw)
+        assert [sched.lr_at(s)[0] for s in range(4 * STEPS)] == [0.0] * (4 * STEPS), name
+    t, lrs = run_lrs(lr=0, scheduler="cosine", num_warn_up=1)
+    assert lrs == [0.0] * (3 * STEPS)
 
 
 # ------------------------------------------------------------------------------ logs, state

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from basetrainer.callbacks.callbacks import Callback
+from basetrainer.utils.setup_config import LR_RULE, valid_lr
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     Args:
         scheduler: ``multi-step``, ``cosine``, ``step``, ``exponential`` or ``constant``.
         optimizer: the optimizer whose groups' LR is set.
-        lr_init: the LR after warm-up (default: each group's current LR).
+        lr_init: the LR after warm-up (default: each group's current LR), a finite number >= 0.
         num_epochs: total epochs (cosine anneals to ``lr_min`` at the end).
         num_steps: train steps per epoch (``len(train_loader)``).
         milestones: 0-based epochs from which the LR is multiplied by ``gamma`` (multi-step).
@@ -148,7 +149,7 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
             ``lr_init * (k + 1) / (num_warn_up * num_steps)``.
         gamma: decay factor (0.1 for multi-step/step, 0.95 per epoch for exponential).
         step_size: epochs between decays for ``step`` (default: a third of ``num_epochs``).
-        lr_min: the final LR of ``cosine``.
+        lr_min: the final LR of ``cosine``, below the LR (0 when the LR is 0).
 
     Returns:
         An :class:`LRSchedulerCallback`; put it in the trainer's callbacks.
@@ -160,8 +161,8 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     if not isinstance(num_epochs, int) or num_epochs <= 0:
         raise ValueError(f"num_epochs={num_epochs!r} must be a positive integer")
     if lr_init is not None:
-        if not isinstance(lr_init, (int, float)) or lr_init <= 0:
-            raise ValueError(f"lr={lr_init!r} must be a positive number")
+        if not valid_lr(lr_init):
+            raise ValueError(f"lr_init={lr_init!r} {LR_RULE}")
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] = float(lr_init)
     if milestones is not None and not isinstance(milestones, (list, tuple)):
@@ -173,15 +174,21 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     if num_warn_up and num_warn_up >= num_epochs:
         logger.warning("num_warn_up=%s covers all num_epochs=%d: the LR never reaches lr_init's schedule",
                        num_warn_up, num_epochs)
-    first_lr = lr_init if lr_init is not None else optimizer.param_groups[0]["lr"]
+    base_lr = float(lr_init if lr_init is not None else optimizer.param_groups[0]["lr"])
+    if not valid_lr(base_lr):
+        raise ValueError(f"the optimizer's lr={base_lr!r} {LR_RULE}")
     if gamma is None:
         gamma = 0.95 if name == "exponential" else 0.1
     if step_size is None:
         step_size = max(1, num_epochs // 3)
     if not isinstance(step_size, int) or step_size <= 0:
         raise ValueError(f"step_size={step_size!r} must be a positive integer number of epochs")
-    if lr_min < 0 or lr_min >= first_lr:
-        raise ValueError(f"lr_min={lr_min!r} must be >= 0 and below lr={first_lr}")
+    if not valid_lr(lr_min):
+        raise ValueError(f"lr_min={lr_min!r} must be a finite number >= 0 and below lr={base_lr}")
+    if base_lr == 0 and lr_min != 0:
+        raise ValueError(f"lr_min={lr_min!r} must be 0 when the lr is 0 (nothing to anneal); leave lr_min out")
+    if base_lr > 0 and lr_min >= base_lr:
+        raise ValueError(f"lr_min={lr_min!r} must be >= 0 and below lr={base_lr}")
     factor = _SCHEDULERS[name](milestones=milestones or [], gamma=gamma, step_size=step_size,
-                               num_epochs=num_epochs, lr_min_ratio=lr_min / first_lr)
+                               num_epochs=num_epochs, lr_min_ratio=lr_min / base_lr if base_lr else 0.0)
     return LRSchedulerCallback(optimizer, name, factor, num_steps=num_steps, num_warn_up=num_warn_up or 0)

@@ -8,6 +8,8 @@ import argparse
 import copy
 import difflib
 import logging
+import math
+import numbers
 import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -72,7 +74,7 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "net_type": ("resnet18", "str", "model name (any torchvision classification model)"),
     "input_size": ([224, 224], "size", "model input [W, H]"),
     "batch_size": (32, "int", "global batch: all processes together, per optimizer step"),
-    "lr": (0.1, "number", "initial learning rate (after warm-up)"),
+    "lr": (0.1, "number", "initial learning rate (after warm-up): finite, >= 0 (0 = weights stay)"),
     "optim_type": ("SGD", "str", "SGD, Adam, AdamW, RMSprop"),
     "loss_type": ("CrossEntropyLoss", "str", "CrossEntropyLoss (CELoss), LabelSmoothing, FocalLoss"),
     "scheduler": ("multi-step", "str", "multi-step, cosine, step, exponential, constant"),
@@ -130,6 +132,17 @@ _CHECKS = {
 }
 
 
+# The rule for a learning rate, shared by the config and the builders that take one.
+LR_RULE = ("must be a finite number >= 0; set it to e.g. 0.1 (0 is allowed: the weights stay as they are, "
+           "for evaluation-only runs or BatchNorm recalibration)")
+
+
+def valid_lr(value: Any) -> bool:
+    """Whether ``value`` is a learning rate: a finite real number >= 0 (not a bool)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0)
+
+
 def validate(cfg: Any) -> None:
     """Check the type of every engine key present in ``cfg``.
 
@@ -158,8 +171,8 @@ def validate(cfg: Any) -> None:
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm"):
         if key in cfg and cfg[key] is not None and cfg[key] < 0:
             raise ValueError(f"config key {key!r} = {cfg[key]!r} must be >= 0")
-    if "lr" in cfg and cfg["lr"] <= 0:
-        raise ValueError(f"config key 'lr' = {cfg['lr']!r} must be a positive number")
+    if "lr" in cfg and not valid_lr(cfg["lr"]):
+        raise ValueError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 
 
 def with_defaults(cfg: Any) -> Any:

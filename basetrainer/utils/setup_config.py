@@ -12,7 +12,9 @@ import math
 import numbers
 import os
 import sys
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from basetrainer.utils import typed_flags
 
 logger = logging.getLogger(__name__)
 
@@ -235,40 +237,6 @@ def save_config(cfg: Any, config_file: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- argparse
-def _typed_keys(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser],
-                argv: Sequence[str]) -> Set[str]:
-    """The dests of the options typed on the command line."""
-    if parser is not None:
-        saved = {}
-        for action in parser._actions:
-            saved[action] = action.default
-            action.default = argparse.SUPPRESS
-        saved_required = {a: a.required for a in parser._actions}
-        try:
-            for action in parser._actions:
-                action.required = False
-            seen, _ = parser.parse_known_args(list(argv))
-        finally:
-            for action, default in saved.items():
-                action.default = default
-            for action, required in saved_required.items():
-                action.required = required
-        return set(vars(seen))
-    typed = set()
-    known = set(vars(args))
-    for token in argv:
-        if token.startswith("--"):
-            name = token[2:].split("=", 1)[0].replace("-", "_")
-            for candidate in (name, name[3:] if name.startswith("no_") else None):
-                if not candidate:
-                    continue
-                # argparse accepts unique prefixes (--batch for --batch_size)
-                matches = [candidate] if candidate in known else [k for k in known if k.startswith(candidate)]
-                if len(matches) == 1:
-                    typed.add(matches[0])
-    return typed
-
-
 def _warn_unknown(yaml_keys: Iterable[str], known: Iterable[str], config_file: str) -> None:
     known = sorted(set(known))
     for key in yaml_keys:
@@ -288,7 +256,10 @@ def parser_config(args: Any, cfg_updata: bool = True, parser: Optional[argparse.
         cfg_updata: True: argparse defaults < YAML < flags typed on the command line.
             False: argparse values win over YAML (the original project's meaning).
         parser: the parser that made ``args``; with it, typed flags are found exactly (short
-            options too). Without it they are found in ``argv`` by their ``--name``.
+            options too). If None, the caller's parser is used when one of its variables (or a
+            variable of its callers) holds the parser that made ``args``; failing that, typed
+            flags are found in ``argv`` by their ``--name`` and each other typed option (``-b``)
+            is named in a warning (see :mod:`basetrainer.utils.typed_flags`).
         argv: the command line (default ``sys.argv[1:]``).
 
     Returns:
@@ -310,7 +281,7 @@ def parser_config(args: Any, cfg_updata: bool = True, parser: Optional[argparse.
         yaml_cfg = load_config(config_file)
         _warn_unknown(yaml_cfg, list(arg_values) + list(ENGINE_KEYS) + ["config_file"], config_file)
         if cfg_updata:
-            typed = _typed_keys(args, parser, argv)
+            typed = typed_flags.typed_keys(args, argv, parser, caller=sys._getframe(1))
             merged.update(yaml_cfg)
             merged.update({k: arg_values[k] for k in typed if k in arg_values})
         else:

@@ -178,21 +178,17 @@ def validate(cfg: Any) -> None:
 
 
 def with_defaults(cfg: Any) -> Any:
-    """Fill every missing engine key of ``cfg`` in place with its default; return ``cfg``.
+    """Fill every missing engine key of ``cfg`` in place with its default; return the config to use.
 
-    ``cfg`` may be a Config, a dict, an EasyDict or an argparse Namespace (a plain dict or a
-    Namespace is converted to a Config, so attribute access works).
+    A Config, an EasyDict or another dict with attribute access is filled and returned itself. A
+    plain dict or an argparse Namespace is filled in place too (the caller's object shows the
+    defaults), and a Config of the same values is returned, so that ``cfg.key`` works.
     """
-    if isinstance(cfg, argparse.Namespace):
-        cfg = Config(vars(cfg))
-    elif cfg is None:
-        cfg = Config()
-    elif type(cfg) is dict:
-        cfg = Config(cfg)
+    target = vars(cfg) if isinstance(cfg, argparse.Namespace) else (Config() if cfg is None else cfg)
     for key, (default, _, _) in ENGINE_KEYS.items():
-        if key not in cfg:
-            cfg[key] = copy.deepcopy(default)
-    return cfg
+        if key not in target:
+            target[key] = copy.deepcopy(default)
+    return Config(target) if type(target) is dict else target
 
 
 # ---------------------------------------------------------------------------------- YAML

@@ -31,6 +31,7 @@ CASES = {
                                 dtype=torch.bfloat16),
     "ordinary_1d": dict(mean=0.5, std=2.0, sizes=(7, 5), shape=(4,), momentum=0.1),
     "ordinary_2d_unequal": dict(mean=-1.0, std=3.0, sizes=(5, 3), shape=(3, 4, 4), momentum=0.1),
+    "ordinary_momentum_none": dict(mean=2.0, std=1.5, sizes=(4, 6), shape=(5,), momentum=None),
     "placeholder_on_rank_1": dict(mean=1000.0, std=0.01, sizes=(6, 1), shape=(4,), momentum=1.0,
                                   placeholder_rank=1),
 }
@@ -175,7 +176,7 @@ def test_bf16_input_gives_bf16_output_normalised_with_the_global_statistics(dist
     assert_close("bf16_input_autocast", "output", out, ref["out"], 2 ** -8)  # bf16 keeps 8 bits
 
 
-@pytest.mark.parametrize("name", ["ordinary_1d", "ordinary_2d_unequal"])
+@pytest.mark.parametrize("name", ["ordinary_1d", "ordinary_2d_unequal", "ordinary_momentum_none"])
 def test_outputs_gradients_and_running_stats_equal_torch_batchnorm(distributed_results, name):
     ranks = rank_results(distributed_results, name)
     ref = reference(name, torch.float32)

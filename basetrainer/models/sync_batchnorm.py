@@ -11,7 +11,7 @@ contribute no sample at all: an empty input, or a placeholder batch run under
 """
 import contextlib
 import contextvars
-from typing import Iterator, Tuple
+from typing import Any, Iterator, Tuple
 
 import torch
 import torch.distributed as dist
@@ -127,10 +127,9 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         with torch.no_grad():
             some = count > 0
             self.num_batches_tracked.add_(some.to(self.num_batches_tracked.dtype))
-            if self.momentum is None:  # cumulative moving average
+            momentum: Any = self.momentum
+            if momentum is None:  # cumulative moving average (a tensor: no host sync)
                 momentum = 1.0 / self.num_batches_tracked.clamp(min=1).to(torch.float64)
-            else:
-                momentum = torch.tensor(self.momentum, dtype=torch.float64)
             unbiased = m2 / (count - 1).clamp(min=1)
             for buffer, batch in ((self.running_mean, mean), (self.running_var, unbiased)):
                 old = buffer.to(torch.float64)

@@ -50,13 +50,39 @@ def test_num_epochs_not_positive(value):
 
 
 def test_other_numbers_out_of_range():
-    for key, value, words in [("lr", 0, "'lr' = 0 must be a positive number"),
+    for key, value, words in [("lr", -1, "'lr' = -1 must be a finite number >= 0"),
+                              ("lr", float("nan"), "'lr' = nan must be a finite number >= 0"),
+                              ("lr", float("inf"), "'lr' = inf must be a finite number >= 0"),
                               ("num_workers", -1, "'num_workers' = -1 must be >= 0"),
                               ("log_freq", 0, "'log_freq' = 0 must be a positive integer"),
                               ("accumulate_steps", 0, "'accumulate_steps' = 0 must be a positive integer")]:
         with pytest.raises(ValueError) as info:
             ToyTrainer(toy_cfg(**{key: value}))
         assert words in str(info.value), key
+
+
+@pytest.mark.parametrize("text,value", [(".nan", "nan"), (".inf", "inf"), ("-1", "-1"), ("-.inf", "-inf")])
+def test_lr_not_finite_or_negative_in_config(text, value):
+    import yaml
+
+    cfg = setup_config.Config(yaml.safe_load(f"lr: {text}"))
+    with pytest.raises(ValueError) as info:
+        setup_config.validate(cfg)
+    msg = str(info.value)
+    assert f"config key 'lr' = {value}" in msg and "must be a finite number >= 0" in msg and "0.1" in msg
+
+
+def test_lr_0_runs_and_leaves_the_weights_but_recalibrates_batchnorm():
+    setup_config.validate(setup_config.Config(lr=0))
+    t = ToyTrainer(toy_cfg(lr=0, bn=True, num_epochs=1))
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.run()
+    after = t.model.state_dict()
+    for key in before:
+        if "running" in key or "num_batches" in key:
+            assert not torch.equal(before[key], after[key]), key        # the statistics moved
+        else:
+            assert torch.equal(before[key], after[key]), key            # the weights did not
 
 
 def test_batch_larger_than_training_set_with_drop_last():

@@ -191,9 +191,19 @@ def test_unknown_optimizer_lists_names(bad):
     assert "['Adam', 'AdamW', 'RMSprop', 'SGD']" in msg
 
 
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1, -0.1, "0.1", True])
+def test_optimizer_lr_must_be_finite_and_not_negative(lr):
+    with pytest.raises(ValueError) as info:
+        get_optimizer(BNNet(), "SGD", lr=lr)
+    assert f"lr={lr!r} must be a finite number >= 0" in str(info.value)
+
+
+def test_optimizer_lr_0_is_allowed():
+    # torch accepts it: evaluation-only runs, BatchNorm recalibration
+    assert get_optimizer(BNNet(), "SGD", lr=0).param_groups[0]["lr"] == 0
+
+
 def test_optimizer_bad_numbers():
-    with pytest.raises(ValueError, match=r"lr=0 must be a positive number"):
-        get_optimizer(BNNet(), "SGD", lr=0)
     with pytest.raises(ValueError, match=r"weight_decay=-1 must be >= 0"):
         get_optimizer(BNNet(), "SGD", lr=0.1, weight_decay=-1)
 

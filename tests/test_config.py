@@ -99,6 +99,36 @@ def test_abbreviated_flag_without_parser_is_typed(tmp_path, monkeypatch):
     assert (cfg.batch_size, cfg.num_epochs, cfg.lr) == (8, 5, 0.2)
 
 
+def _config_of(args):
+    """parser_config called from a frame that holds no parser (its caller's frame does)."""
+    return setup_config.parser_config(args, cfg_updata=True)
+
+
+def test_short_option_without_parser_uses_the_callers_parser(tmp_path, monkeypatch):
+    cfg_file = write_yaml(tmp_path, "batch_size: 32\nlr: 0.2\n")
+    monkeypatch.setattr("sys.argv", ["train.py", "-c", cfg_file, "-b", "64"])
+    parser = make_parser()   # the script's parser, as in DESIGN.md's snippet; not passed
+    cfg = setup_config.parser_config(parser.parse_args(), cfg_updata=True)
+    assert (cfg.batch_size, cfg.lr) == (64, 0.2)   # typed -b beats the YAML; YAML beats the default
+    # found in a caller further out too, and exactly (-b 8 equals the argparse default)
+    monkeypatch.setattr("sys.argv", ["train.py", "-c", cfg_file, "-b", "8"])
+    assert _config_of(parser.parse_args()).batch_size == 8
+
+
+def test_typed_options_that_cannot_be_matched_without_a_parser_are_named(tmp_path, monkeypatch, caplog):
+    cfg_file = write_yaml(tmp_path, "batch_size: 32\nlr: 0.2\n")
+    argv = ["-c", cfg_file, "-b", "64", "--lr", "0.3", "--gpu_id", "-1", "--bs=3"]
+    monkeypatch.setattr("sys.argv", ["train.py"] + argv)
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        cfg = setup_config.parser_config(make_parser().parse_known_args()[0], cfg_updata=True)
+    assert (cfg.batch_size, cfg.lr, cfg.gpu_id) == (32, 0.3, [-1])   # -b unknown: the YAML's value stays
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for flag in ("'-b'", "'--bs=3'"):
+        assert sum(flag in w for w in warned) == 1, (flag, warned)
+    # '--lr' is matched, '-1' is a value, and '-c' is followed by the config file's own path
+    assert all("parser=" in w for w in warned) and len(warned) == 2, warned
+
+
 def test_cfg_updata_false_argparse_values_win(tmp_path):
     cfg_file = write_yaml(tmp_path, YAML)
     argv = ["--config_file", cfg_file]

@@ -175,14 +175,77 @@ def test_warmup_covering_all_epochs_warns(caplog):
     ({"num_epochs": 0}, "num_epochs=0 must be a positive integer"),
     ({"num_steps": 0}, "num_steps=0 must be the number of train steps per epoch"),
     ({"num_warn_up": -1}, "num_warn_up=-1"),
-    ({"lr": -0.1}, "lr=-0.1 must be a positive number"),
+    ({"lr": -0.1}, "lr_init=-0.1 must be a finite number >= 0"),
+    ({"lr": -1}, "lr_init=-1 must be a finite number >= 0"),
+    ({"lr": float("nan")}, "lr_init=nan must be a finite number >= 0"),
+    ({"lr": float("inf")}, "lr_init=inf must be a finite number >= 0"),
     ({"name": "step", "step_size": 0}, "step_size=0 must be a positive integer"),
     ({"name": "cosine", "lr_min": 0.2}, "lr_min=0.2 must be >= 0 and below lr=0.1"),
+    ({"name": "cosine", "lr_min": float("nan")}, "lr_min=nan must be a finite number >= 0"),
+    ({"name": "cosine", "lr": 0, "lr_min": 0.01}, "lr_min=0.01 must be 0 when the lr is 0"),
 ])
 def test_bad_numbers_raise(kwargs, words):
     with pytest.raises(ValueError) as info:
         make_sched(**kwargs)
     assert words in str(info.value)
+
+
+def test_lr_0_is_allowed_and_keeps_every_step_at_0():
+    for name, kw in [("constant", {}), ("cosine", {"lr_min": 0.0}), ("multi-step", {"milestones": [1]})]:
+        sched = make_sched(name, lr=0, num_warn_up=1, **kw)
+        assert [sched.lr_at(s)[0] for s in range(4 * STEPS)] == [0.0] * (4 * STEPS), name
+    t, lrs = run_lrs(lr=0, scheduler="cosine", num_warn_up=1)
+    assert lrs == [0.0] * (3 * STEPS)
+
+
+# ------------------------------------------------------------------------------ parameter groups
+def two_group_optimizer(head_lr=None):
+    """SGD with default lr 0.1: the backbone group has its own lr 0.01, the head the default."""
+    net = TinyNet()
+    head = {"params": list(net.net[2].parameters())}
+    if head_lr is not None:
+        head["lr"] = head_lr
+    return torch.optim.SGD([{"params": list(net.net[0].parameters()), "lr": 0.01}, head], lr=0.1)
+
+
+def test_lr_init_replaces_the_default_lr_and_groups_keep_their_own():
+    opt = two_group_optimizer()
+    sched = build_scheduler.get_scheduler("multi-step", opt, lr_init=0.1, num_epochs=4, num_steps=STEPS,
+                                          milestones=[2])
+    assert [g["lr"] for g in opt.param_groups] == approx_list([0.01, 0.1])
+    assert sched.lr_at(0) == approx_list([0.01, 0.1])
+    assert sched.lr_at(2 * STEPS) == approx_list([0.001, 0.01])       # each group's own LR x 0.1
+    # lr_init other than the optimizer's default: only the groups at the default take it
+    opt = two_group_optimizer()
+    sched = build_scheduler.get_scheduler("constant", opt, lr_init=0.5, num_epochs=2, num_steps=STEPS,
+                                          num_warn_up=1)
+    assert sched.lr_at(0) == approx_list([0.01 / STEPS, 0.5 / STEPS])  # warm-up scales both
+    sched.on_batch_prepare(1, 0, {})
+    assert [g["lr"] for g in opt.param_groups] == approx_list([0.01, 0.5])
+
+
+def test_per_group_lrs_through_a_run():
+    class GroupTrainer(SchedTrainer):
+        def build_optimizer(self, cfg, **kwargs):
+            net = self.model
+            return torch.optim.SGD([{"params": list(net.net[0].parameters()), "lr": 0.01},
+                                    {"params": list(net.net[2].parameters())}], lr=0.1)
+
+    cfg = toy_cfg(n_train=64, batch_size=16, lr=0.1, num_epochs=3, num_warn_up=0, milestones=[1],
+                  scheduler="multi-step")
+    t = GroupTrainer(cfg)
+    t.run()
+    assert t.recorder.lrs == approx_list([0.01] * STEPS + [0.001] * (2 * STEPS))  # group 0: its own
+    assert t.optimizer.param_groups[1]["lr"] == pytest.approx(0.01)
+    assert t.history["lr"] == approx_list([0.1, 0.01, 0.01])  # logs["lr"]: the config's lr, scheduled
+    assert t.sched.state_dict()["base_lrs"] == approx_list([0.01, 0.1])
+
+
+def test_cosine_lr_min_is_the_default_groups_end_and_a_fraction_for_the_others():
+    opt = two_group_optimizer()
+    sched = build_scheduler.get_scheduler("cosine", opt, lr_init=0.1, num_epochs=2, num_steps=STEPS,
+                                          lr_min=0.02)
+    assert sched.lr_at(2 * STEPS) == approx_list([0.002, 0.02])
 
 
 # ------------------------------------------------------------------------------ logs, state

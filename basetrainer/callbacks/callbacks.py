@@ -203,18 +203,54 @@ def infer_mode(indicator: str) -> str:
 
 
 def batch_size_of(inputs: Any) -> int:
-    """Number of samples in a batch: the first dimension of its first tensor."""
+    """Number of samples in a batch.
+
+    A tensor counts its first dimension. A list or tuple holds the batch's parts (inputs,
+    targets, ...) and a dict its values: the count is the one the parts agree on. A part that is
+    itself a list or tuple is either per-sample items (the images and target dicts of a detection
+    batch: it counts its length) or batched parts (the inputs of a multi-input model: they count
+    their first dimension); the other parts tell which. Where they agree on nothing, the first
+    part decides. (A bare list of images cannot be told from a list of parts, so it is read as
+    parts: put it in a batch, ``(images, targets)``.)
+
+    Raises:
+        TypeError: no tensor anywhere in the batch.
+    """
     if isinstance(inputs, torch.Tensor):
         return int(inputs.shape[0]) if inputs.dim() else 1
-    if isinstance(inputs, dict):
-        inputs = list(inputs.values())
-    if isinstance(inputs, (list, tuple)):
-        for item in inputs:
-            try:
-                return batch_size_of(item)
-            except TypeError:
-                continue
+    parts = list(inputs.values()) if isinstance(inputs, dict) else inputs
+    if isinstance(parts, (list, tuple)) and _has_tensor(parts):
+        options = [_counts(part) for part in parts]
+        agreed = _agreed(options)
+        return agreed[0] if agreed else next(o[0] for o in options if o)
     raise TypeError(f"cannot find a tensor in the batch to count its samples (got {type(inputs).__name__})")
+
+
+def _has_tensor(item: Any) -> bool:
+    if isinstance(item, torch.Tensor):
+        return True
+    values = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
+    return any(_has_tensor(v) for v in values)
+
+
+def _counts(part: Any) -> List[int]:
+    """The sample counts ``part`` may stand for, the likelier first (none for a plain value)."""
+    if isinstance(part, torch.Tensor):
+        return [int(part.shape[0]) if part.dim() else 1]
+    if isinstance(part, dict):
+        part = list(part.values())
+    if not isinstance(part, (list, tuple)) or not part:
+        return []
+    as_parts = _agreed([_counts(p) for p in part])  # batched parts share their first dimension
+    return [len(part)] + [n for n in as_parts if n != len(part)]
+
+
+def _agreed(options: Sequence[List[int]]) -> List[int]:
+    """The counts every informative option allows, in the first one's order."""
+    informative = [o for o in options if o]
+    if not informative:
+        return []
+    return [n for n in informative[0] if all(n in o for o in informative[1:])]
 
 
 def targets_of(inputs: Any) -> torch.Tensor:

@@ -195,7 +195,7 @@ class Engine(RunState):
         update, weight, self._placeholder = self._steps.plan(batch)
         no_sync = (not update and isinstance(self.model, nn.parallel.DistributedDataParallel))
         with self.model.no_sync() if no_sync else contextlib.nullcontext():
-            with self.autocast(), placeholder_batch(self._placeholder):
+            with self.autocast(), placeholder_batch() if self._placeholder else contextlib.nullcontext():
                 if self._compile_checked:
                     outputs, losses = self.run_step(data)
                 else:

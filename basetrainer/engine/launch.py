@@ -93,8 +93,23 @@ def _slurm_master_addr() -> str:
                        "export MASTER_ADDR (e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))")
 
 
+def _let_ddp_free_its_group() -> None:
+    """Import ``torch.distributed.nn`` before any DDP model is built.
+
+    Measured on torch 2.14.1 (gloo, CPU): a DDP model built before ``torch.distributed.nn`` (its
+    RemoteModule) was ever imported keeps 10 references to its process group alive in C++ after
+    the model is freed, so ``destroy_process_group()`` in :func:`_leave_group` cannot join gloo's
+    threads; imported before the model is built (here: before the group is made), the group goes.
+    Why is torch's; the sync BatchNorm module imported it by chance until it stopped using
+    ``torch.distributed.nn.functional``. tests/test_distributed.py (the test of the group's threads
+    at exit) guards it.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+
 def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: str, world_size: int,
                   rank: int, local_rank: int, timeout: datetime.timedelta, keep_result: bool = True) -> Any:
+    _let_ddp_free_its_group()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)  # before any collective
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,

@@ -26,7 +26,9 @@ class EngineTrainer(Engine):
     """Subclass this, implement the six ``build_*`` hooks, call ``self.build(cfg)`` in
     ``__init__`` and ``run()``.
 
-    ``__init__`` fills the config's missing engine keys with their defaults, checks them, seeds
+    ``__init__`` fills the config's missing engine keys with their defaults (``self.cfg``; a
+    plain dict or an argparse Namespace is filled in place too, and ``self.cfg`` is a Config of
+    it, which ``build(cfg)`` uses in its place), checks them, seeds
     every generator with ``cfg.seed``, works out the process's rank, world size and device, and
     refuses a new run in a ``work_dir`` that holds another run's checkpoints (``resume: auto``
     continues it; ``overwrite: true`` moves it aside), before the script writes anything there.
@@ -53,6 +55,7 @@ class EngineTrainer(Engine):
     """
 
     def __init__(self, cfg: Any) -> None:
+        self._given_cfg = cfg  # a dict or Namespace given here means self.cfg when passed to build()
         cfg = setup_config.with_defaults(cfg)
         setup_config.validate(cfg)
         super().__init__(cfg)
@@ -108,7 +111,13 @@ class EngineTrainer(Engine):
 
         The loaders come first so they can set ``cfg.num_classes``/``cfg.classes``; callbacks come
         last so they can use ``self.model``, ``self.optimizer`` and ``self.num_steps``.
+
+        ``cfg`` is usually the object given to ``__init__``; if that was a plain dict or an
+        argparse Namespace, the hooks get ``self.cfg`` instead (the Config made of it, with the
+        defaults filled in), so ``cfg.key`` and ``cfg.get(key)`` work in every hook.
         """
+        if cfg is self._given_cfg:
+            cfg = self.cfg
         self.train_loader = self.build_train_loader(cfg, **kwargs)
         self.test_loader = self.build_test_loader(cfg, **kwargs)
         if self.train_loader is not None:

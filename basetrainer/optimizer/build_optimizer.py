@@ -4,6 +4,8 @@ from typing import Any, Callable, Dict, Iterable, List, Union
 import torch
 from torch import nn
 
+from basetrainer.utils.setup_config import LR_RULE, valid_lr
+
 _OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr, momentum, weight_decay, **kw: torch.optim.SGD(
         params, lr=lr, momentum=momentum, weight_decay=weight_decay, **kw),
@@ -44,7 +46,7 @@ def get_optimizer(model: Union[nn.Module, Iterable[Any]], optim_type: str = "SGD
     Args:
         model: a module (or an iterable of parameters / parameter groups).
         optim_type: ``SGD``, ``Adam``, ``AdamW`` or ``RMSprop`` (any case).
-        lr: learning rate.
+        lr: learning rate, a finite number >= 0 (0 leaves the weights as they are).
         momentum: momentum (SGD, RMSprop).
         weight_decay: L2 penalty / decoupled decay (AdamW).
         no_decay_norm_bias: exclude biases and normalisation parameters from weight decay.
@@ -56,8 +58,8 @@ def get_optimizer(model: Union[nn.Module, Iterable[Any]], optim_type: str = "SGD
     key = optim_type.strip().lower() if isinstance(optim_type, str) else None
     if key not in _OPTIMIZERS:
         raise ValueError(f"unknown optim_type {optim_type!r}; choose from {optimizer_names()}")
-    if not isinstance(lr, (int, float)) or lr <= 0:
-        raise ValueError(f"lr={lr!r} must be a positive number")
+    if not valid_lr(lr):
+        raise ValueError(f"lr={lr!r} {LR_RULE}")
     if weight_decay is None or weight_decay < 0:
         raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
     if isinstance(model, nn.Module):

@@ -1,8 +1,11 @@
 """Learning-rate schedules with linear warm-up, applied per optimizer step, as a callback.
 
 Each schedule is a factor ``f(t)`` of the epoch position ``t`` (fractional: step k of an epoch
-of n steps is ``epoch + k / n``); the LR of a step is ``lr_init * warmup(k) * f(t)``, set through
+of n steps is ``epoch + k / n``); the LR of a step is ``base_lr * warmup(k) * f(t)``, set through
 :class:`torch.optim.lr_scheduler.LambdaLR` before any callback's ``on_batch_begin`` of that step.
+Each parameter group has its own ``base_lr``: ``lr_init`` replaces the optimizer's default LR, so
+groups built with the default take it and groups given an LR of their own (a backbone at a tenth
+of the head's, say) keep theirs.
 """
 import logging
 import math
@@ -11,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from basetrainer.callbacks.callbacks import Callback
+from basetrainer.utils.setup_config import LR_RULE, valid_lr
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +71,8 @@ def _canonical(name: str) -> str:
 
 
 class LRSchedulerCallback(Callback):
-    """Sets the LR of every optimizer step and writes it to ``logs["lr"]``.
+    """Sets the LR of every optimizer step and writes it to ``logs["lr"]`` (the LR of the groups
+    at the optimizer's default LR).
 
     It positions a :class:`torch.optim.lr_scheduler.LambdaLR` at the global optimizer step
     before each step, so it is exact after a resume and with gradient accumulation (it counts
@@ -88,6 +93,11 @@ class LRSchedulerCallback(Callback):
         self.num_steps = num_steps
         self.num_warn_up = float(num_warn_up)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=self.lr_factor)
+        # logs["lr"] is the LR of the first group at the optimizer's default LR (the config's lr),
+        # not that of a group with an LR of its own; group 0's when no group has the default
+        default = optimizer.defaults.get("lr")
+        self.logged_group = next((i for i, base in enumerate(self.scheduler.base_lrs)
+                                  if default is not None and float(base) == float(default)), 0)
 
     @property
     def _accumulate(self) -> int:
@@ -120,7 +130,7 @@ class LRSchedulerCallback(Callback):
         self.scheduler.last_epoch = step
         self.scheduler._last_lr = lrs
         if logs is not None:
-            logs["lr"] = self.optimizer.param_groups[0]["lr"]
+            logs["lr"] = self.optimizer.param_groups[self.logged_group]["lr"]
 
     def state_dict(self) -> Dict[str, Any]:
         return {"last_step": int(self.scheduler.last_epoch), "base_lrs": list(self.scheduler.base_lrs)}
@@ -129,6 +139,17 @@ class LRSchedulerCallback(Callback):
         # the LRs after warm-up stay those this schedule was built with, i.e. the current
         # config's (a changed lr on resume takes effect); the position is recomputed every step
         self.scheduler.last_epoch = int(state.get("last_step", self.scheduler.last_epoch))
+
+
+def _replace_default_lr(optimizer: torch.optim.Optimizer, lr_init: float) -> None:
+    """Make ``lr_init`` the optimizer's default LR: the groups at the old default take it, the
+    groups given an LR of their own keep theirs; every group's LR becomes its schedule's base."""
+    default = optimizer.defaults.get("lr")
+    for group in optimizer.param_groups:
+        if default is None or float(group["lr"]) == float(default):
+            group["lr"] = lr_init
+        group["initial_lr"] = group["lr"]
+    optimizer.defaults["lr"] = lr_init
 
 
 def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Optional[float] = None,
@@ -140,7 +161,9 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     Args:
         scheduler: ``multi-step``, ``cosine``, ``step``, ``exponential`` or ``constant``.
         optimizer: the optimizer whose groups' LR is set.
-        lr_init: the LR after warm-up (default: each group's current LR).
+        lr_init: the LR after warm-up. It replaces the optimizer's default LR
+            (``optimizer.defaults["lr"]``): groups at the default take it, groups given an LR of
+            their own keep theirs. Default: every group keeps its current LR. A finite number >= 0.
         num_epochs: total epochs (cosine anneals to ``lr_min`` at the end).
         num_steps: train steps per epoch (``len(train_loader)``).
         milestones: 0-based epochs from which the LR is multiplied by ``gamma`` (multi-step).
@@ -148,7 +171,8 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
             ``lr_init * (k + 1) / (num_warn_up * num_steps)``.
         gamma: decay factor (0.1 for multi-step/step, 0.95 per epoch for exponential).
         step_size: epochs between decays for ``step`` (default: a third of ``num_epochs``).
-        lr_min: the final LR of ``cosine``.
+        lr_min: the final LR of ``cosine`` for the groups at the default LR; a group with an LR of
+            its own ends at the same fraction of it. Below the LR (0 when the LR is 0).
 
     Returns:
         An :class:`LRSchedulerCallback`; put it in the trainer's callbacks.
@@ -160,10 +184,9 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     if not isinstance(num_epochs, int) or num_epochs <= 0:
         raise ValueError(f"num_epochs={num_epochs!r} must be a positive integer")
     if lr_init is not None:
-        if not isinstance(lr_init, (int, float)) or lr_init <= 0:
-            raise ValueError(f"lr={lr_init!r} must be a positive number")
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] = float(lr_init)
+        if not valid_lr(lr_init):
+            raise ValueError(f"lr_init={lr_init!r} {LR_RULE}")
+        _replace_default_lr(optimizer, float(lr_init))
     if milestones is not None and not isinstance(milestones, (list, tuple)):
         milestones = [milestones]
     late = [m for m in (milestones or []) if int(m) >= num_epochs]
@@ -173,15 +196,21 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     if num_warn_up and num_warn_up >= num_epochs:
         logger.warning("num_warn_up=%s covers all num_epochs=%d: the LR never reaches lr_init's schedule",
                        num_warn_up, num_epochs)
-    first_lr = lr_init if lr_init is not None else optimizer.param_groups[0]["lr"]
+    base_lr = float(optimizer.defaults.get("lr", optimizer.param_groups[0]["lr"]))
+    if not valid_lr(base_lr):
+        raise ValueError(f"the optimizer's lr={base_lr!r} {LR_RULE}")
     if gamma is None:
         gamma = 0.95 if name == "exponential" else 0.1
     if step_size is None:
         step_size = max(1, num_epochs // 3)
     if not isinstance(step_size, int) or step_size <= 0:
         raise ValueError(f"step_size={step_size!r} must be a positive integer number of epochs")
-    if lr_min < 0 or lr_min >= first_lr:
-        raise ValueError(f"lr_min={lr_min!r} must be >= 0 and below lr={first_lr}")
+    if not valid_lr(lr_min):
+        raise ValueError(f"lr_min={lr_min!r} must be a finite number >= 0 and below lr={base_lr}")
+    if base_lr == 0 and lr_min != 0:
+        raise ValueError(f"lr_min={lr_min!r} must be 0 when the lr is 0 (nothing to anneal); leave lr_min out")
+    if base_lr > 0 and lr_min >= base_lr:
+        raise ValueError(f"lr_min={lr_min!r} must be >= 0 and below lr={base_lr}")
     factor = _SCHEDULERS[name](milestones=milestones or [], gamma=gamma, step_size=step_size,
-                               num_epochs=num_epochs, lr_min_ratio=lr_min / first_lr)
+                               num_epochs=num_epochs, lr_min_ratio=lr_min / base_lr if base_lr else 0.0)
     return LRSchedulerCallback(optimizer, name, factor, num_steps=num_steps, num_warn_up=num_warn_up or 0)

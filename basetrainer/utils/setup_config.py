@@ -8,9 +8,13 @@ import argparse
 import copy
 import difflib
 import logging
+import math
+import numbers
 import os
 import sys
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from basetrainer.utils import typed_flags
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "net_type": ("resnet18", "str", "model name (any torchvision classification model)"),
     "input_size": ([224, 224], "size", "model input [W, H]"),
     "batch_size": (32, "int", "global batch: all processes together, per optimizer step"),
-    "lr": (0.1, "number", "initial learning rate (after warm-up)"),
+    "lr": (0.1, "number", "initial learning rate (after warm-up): finite, >= 0 (0 = weights stay)"),
     "optim_type": ("SGD", "str", "SGD, Adam, AdamW, RMSprop"),
     "loss_type": ("CrossEntropyLoss", "str", "CrossEntropyLoss (CELoss), LabelSmoothing, FocalLoss"),
     "scheduler": ("multi-step", "str", "multi-step, cosine, step, exponential, constant"),
@@ -132,6 +136,17 @@ _CHECKS = {
 }
 
 
+# The rule for a learning rate, shared by the config and the builders that take one.
+LR_RULE = ("must be a finite number >= 0; set it to e.g. 0.1 (0 is allowed: the weights stay as they are, "
+           "for evaluation-only runs or BatchNorm recalibration)")
+
+
+def valid_lr(value: Any) -> bool:
+    """Whether ``value`` is a learning rate: a finite real number >= 0 (not a bool)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0)
+
+
 def validate(cfg: Any) -> None:
     """Check the type of every engine key present in ``cfg``.
 
@@ -160,26 +175,22 @@ def validate(cfg: Any) -> None:
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm"):
         if key in cfg and cfg[key] is not None and cfg[key] < 0:
             raise ValueError(f"config key {key!r} = {cfg[key]!r} must be >= 0")
-    if "lr" in cfg and cfg["lr"] <= 0:
-        raise ValueError(f"config key 'lr' = {cfg['lr']!r} must be a positive number")
+    if "lr" in cfg and not valid_lr(cfg["lr"]):
+        raise ValueError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 
 
 def with_defaults(cfg: Any) -> Any:
-    """Fill every missing engine key of ``cfg`` in place with its default; return ``cfg``.
+    """Fill every missing engine key of ``cfg`` in place with its default; return the config to use.
 
-    ``cfg`` may be a Config, a dict, an EasyDict or an argparse Namespace (a plain dict or a
-    Namespace is converted to a Config, so attribute access works).
+    A Config, an EasyDict or another dict with attribute access is filled and returned itself. A
+    plain dict or an argparse Namespace is filled in place too (the caller's object shows the
+    defaults), and a Config of the same values is returned, so that ``cfg.key`` works.
     """
-    if isinstance(cfg, argparse.Namespace):
-        cfg = Config(vars(cfg))
-    elif cfg is None:
-        cfg = Config()
-    elif type(cfg) is dict:
-        cfg = Config(cfg)
+    target = vars(cfg) if isinstance(cfg, argparse.Namespace) else (Config() if cfg is None else cfg)
     for key, (default, _, _) in ENGINE_KEYS.items():
-        if key not in cfg:
-            cfg[key] = copy.deepcopy(default)
-    return cfg
+        if key not in target:
+            target[key] = copy.deepcopy(default)
+    return Config(target) if type(target) is dict else target
 
 
 # ---------------------------------------------------------------------------------- YAML
@@ -224,40 +235,6 @@ def save_config(cfg: Any, config_file: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- argparse
-def _typed_keys(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser],
-                argv: Sequence[str]) -> Set[str]:
-    """The dests of the options typed on the command line."""
-    if parser is not None:
-        saved = {}
-        for action in parser._actions:
-            saved[action] = action.default
-            action.default = argparse.SUPPRESS
-        saved_required = {a: a.required for a in parser._actions}
-        try:
-            for action in parser._actions:
-                action.required = False
-            seen, _ = parser.parse_known_args(list(argv))
-        finally:
-            for action, default in saved.items():
-                action.default = default
-            for action, required in saved_required.items():
-                action.required = required
-        return set(vars(seen))
-    typed = set()
-    known = set(vars(args))
-    for token in argv:
-        if token.startswith("--"):
-            name = token[2:].split("=", 1)[0].replace("-", "_")
-            for candidate in (name, name[3:] if name.startswith("no_") else None):
-                if not candidate:
-                    continue
-                # argparse accepts unique prefixes (--batch for --batch_size)
-                matches = [candidate] if candidate in known else [k for k in known if k.startswith(candidate)]
-                if len(matches) == 1:
-                    typed.add(matches[0])
-    return typed
-
-
 def _warn_unknown(yaml_keys: Iterable[str], known: Iterable[str], config_file: str) -> None:
     known = sorted(set(known))
     for key in yaml_keys:
@@ -277,7 +254,10 @@ def parser_config(args: Any, cfg_updata: bool = True, parser: Optional[argparse.
         cfg_updata: True: argparse defaults < YAML < flags typed on the command line.
             False: argparse values win over YAML (the original project's meaning).
         parser: the parser that made ``args``; with it, typed flags are found exactly (short
-            options too). Without it they are found in ``argv`` by their ``--name``.
+            options too). If None, the caller's parser is used when one of its variables (or a
+            variable of its callers) holds the parser that made ``args``; failing that, typed
+            flags are found in ``argv`` by their ``--name`` and each other typed option (``-b``)
+            is named in a warning (see :mod:`basetrainer.utils.typed_flags`).
         argv: the command line (default ``sys.argv[1:]``).
 
     Returns:
@@ -299,7 +279,7 @@ def parser_config(args: Any, cfg_updata: bool = True, parser: Optional[argparse.
         yaml_cfg = load_config(config_file)
         _warn_unknown(yaml_cfg, list(arg_values) + list(ENGINE_KEYS) + ["config_file"], config_file)
         if cfg_updata:
-            typed = _typed_keys(args, parser, argv)
+            typed = typed_flags.typed_keys(args, argv, parser, caller=sys._getframe(1))
             merged.update(yaml_cfg)
             merged.update({k: arg_values[k] for k in typed if k in arg_values})
         else:

@@ -160,6 +160,7 @@ def test_history_tensorboard_and_log_continue_across_a_resume(tmp_path, referenc
         text = f.read()
     for epoch in range(4):   # the log of the killed run goes on in the resumed one
         assert f"epoch {epoch}/4 done" in text, epoch
+    assert "resumed at epoch 2, step 0" in text       # and says where the redone part starts
 
     def scalars(folder):
         acc = EventAccumulator(folder)

@@ -13,7 +13,7 @@ from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 
-from conftest import Recorder, ToyTrainer, toy_cfg
+from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg
 
 
 class Scripted(Callback):
@@ -294,3 +294,160 @@ def test_every_rank_is_refused_together(tmp_path):
     run(work, epochs=1)
     results = run_distributed(_refused_rank, 2, tmp_path, str(work), timeout=120)
     assert results[0] == results[1] and results[0].startswith("FileExistsError")
+
+
+# ----------------------------------------------------------------------------- found by a hostile review
+def test_resume_from_another_runs_checkpoint_never_writes_over_this_folders_run(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(a, epochs=2)
+    run(b, epochs=2, lr=0.05)
+    before = digests(b)
+    with pytest.raises(FileExistsError, match="another run"):
+        run(b, epochs=4, resume=str(a / "model" / "last.pth"))
+    assert digests(b) == before
+    t = run(b, epochs=4, resume=str(a / "model" / "last.pth"), overwrite=True)   # B moved aside first
+    assert t.start_epoch == 2
+    assert digests(glob.glob(str(tmp_path / "b.old-*"))[0]) == before
+
+
+def test_a_fallback_to_last_prev_keeps_it_until_a_good_last_pth_is_written(tmp_path):
+    work = tmp_path / "work"
+    run(work, epochs=2)
+    _truncate(work / "model" / "last.pth")
+    seen = {}
+
+    class Look(Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:   # after the first save of the resumed run
+                seen["prev"] = load(str(work / "model" / "last.prev.pth"))["epoch"]
+
+    run(work, epochs=3, resume="auto", callbacks=[LossesRecorder(), checkpointed(work), Look()])
+    assert seen["prev"] == 0        # the good checkpoint, not the damaged last.pth rotated over it
+    assert os.path.exists(work / "model" / "last.pth.damaged")
+
+
+def test_a_complete_last_pth_left_in_a_temp_file_is_recovered(tmp_path, caplog):
+    import socket
+    import subprocess
+
+    work = tmp_path / "work"
+    run(work, epochs=2)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.replace(work / "model" / "last.pth",
+               work / "model" / f".last.pth.tmp-{socket.gethostname()}-{dead.pid}")   # killed between renames
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        t = run(work, epochs=3, resume="auto")
+    assert t.start_epoch == 2 and "recovered" in caplog.text
+
+
+def test_two_model_checkpoints_of_one_indicator_in_one_folder_keep_their_own_models(tmp_path):
+    scripted = Scripted(**{"test/Accuracy": [0.2, 0.3, 0.9]})
+    other = TinyNet(4)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(0.5)
+    mine, theirs = checkpointed(tmp_path, indicator="Accuracy"), checkpointed(tmp_path, indicator="Accuracy",
+                                                                             model=other)
+    ToyTrainer(toy_cfg(num_epochs=3, n_train=32, n_test=16), callbacks=[scripted, mine, theirs]).run()
+    assert mine.best_file != theirs.best_file
+    assert same(load(mine.best_file), scripted.weights[2])
+    assert same(load(theirs.best_file), other.state_dict())
+
+
+def test_a_run_early_stopping_ended_stays_ended_on_resume(tmp_path):
+    from basetrainer.callbacks.early_stopping import EarlyStopping
+
+    work = tmp_path / "work"
+    callbacks = [Scripted(**{"test/loss": [0.5, 0.6, 0.7, 0.1, 0.1, 0.1]}), checkpointed(work),
+                 EarlyStopping("loss", patience=1)]
+    first = run(work, epochs=6, callbacks=callbacks)
+    assert first.epoch == 1
+    again = run(work, epochs=6, resume="auto", callbacks=[Scripted(**{"test/loss": [0.5] * 6}), checkpointed(work),
+                                                         EarlyStopping("loss", patience=1)])
+    assert len(again.history) == 0
+    assert same(again.unwrapped_model.state_dict(), first.unwrapped_model.state_dict())
+
+
+def test_run_again_on_one_trainer_goes_on_and_keeps_the_first_runs_files(tmp_path):
+    from basetrainer.callbacks.log_history import LogHistory
+
+    reference = run(tmp_path / "ref", epochs=4)
+    work = tmp_path / "work"
+    t = ToyTrainer(toy_cfg(num_epochs=2, n_train=64, n_test=16, work_dir=str(work)),
+                   callbacks=[LossesRecorder(), checkpointed(work), LogHistory(log_dir=str(work / "log"))])
+    t.run()
+    t.num_epochs = 4
+    t.run()
+    with open(work / "log" / "history.csv") as f:
+        assert [line.split(",")[0] for line in f.read().splitlines()[1:]] == ["0", "1", "2", "3"]
+    assert load(str(work / "model" / "last.pth"))["epoch"] == 3
+    assert same(t.unwrapped_model.state_dict(), reference.unwrapped_model.state_dict(), tol=1e-6)
+
+
+class _Crash(Callback):
+    def on_batch_end(self, batch, logs=None):
+        raise RuntimeError("crashed in epoch 0")
+
+
+def test_a_run_that_crashed_before_its_first_checkpoint_still_counts_as_a_run(tmp_path):
+    from basetrainer.callbacks.log_history import LogHistory
+
+    work = tmp_path / "work"
+    with pytest.raises(RuntimeError, match="crashed"):
+        run(work, callbacks=[LossesRecorder(), checkpointed(work), LogHistory(log_dir=str(work / "log")), _Crash()])
+    with pytest.raises(FileExistsError):      # refused when the trainer is built, before a script writes
+        ToyTrainer(toy_cfg(num_epochs=1, work_dir=str(work)))
+    run(work, epochs=1, overwrite=True)
+    assert len(glob.glob(str(tmp_path / "work.old-*"))) == 1
+
+
+def test_a_checkpoint_folder_added_in_front_does_not_lose_the_run(tmp_path):
+    work = tmp_path / "work"
+    run(work, epochs=2)
+    t = run(work, epochs=3, resume="auto",
+            callbacks=[ModelCheckpoint(model_dir=str(tmp_path / "extra"), indicator="loss", async_save=False),
+                       LossesRecorder(), checkpointed(work)])
+    assert t.start_epoch == 2 and load(str(work / "model" / "last.pth"))["epoch"] == 2
+
+
+def test_stale_temp_files_in_work_dir_are_removed_at_start(tmp_path):
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    work = tmp_path / "work"
+    work.mkdir()
+    stale = work / f".setup_config.yaml.tmp-{socket.gethostname()}-{dead.pid}"
+    stale.write_text("half a file")
+    ToyTrainer(toy_cfg(num_epochs=1, work_dir=str(work)))
+    assert not stale.exists()
+
+
+def test_resume_says_when_nothing_is_left_to_train_and_ignores_a_trailing_slash(tmp_path, caplog):
+    work = tmp_path / "work"
+    run(work, epochs=2)
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        t = run(str(work) + "/", epochs=2, resume="auto")
+    assert len(t.history) == 0 and "nothing left to train" in caplog.text
+    assert "work_dir" not in caplog.text
+
+
+def test_a_read_only_run_folder_is_an_error_before_training(tmp_path, monkeypatch):
+    from basetrainer.engine import resume
+
+    work = tmp_path / "work"
+    run(work, epochs=1)
+    real = os.access
+    folder = os.path.join(str(work), "model")   # as if mounted read-only (root could write to a chmod 555 folder)
+    monkeypatch.setattr(resume.os, "access", lambda path, mode: False if str(path) == folder else real(path, mode))
+    seen = []
+
+    class Trained(Callback):
+        def on_batch_begin(self, batch, logs=None):
+            seen.append(batch)
+
+    with pytest.raises(PermissionError, match="model"):
+        run(work, epochs=2, resume="auto", callbacks=[LossesRecorder(), checkpointed(work), Trained()])
+    assert seen == []       # refused before a step was trained

@@ -179,6 +179,19 @@ def test_sigterm_to_a_ddp_job_stops_every_rank_with_the_same_status(tmp_path, sc
           torch.load(work / "final.pt", weights_only=True), tol=1e-5)
 
 
+def test_sigint_to_the_launcher_alone_is_passed_on_and_it_exits_130(tmp_path, script):
+    work = tmp_path / "run"
+    proc = _start(script, work, 0, pause=True, ddp=True)
+    ready = os.path.join(str(work), "ready")
+    deadline = time.monotonic() + 180
+    while not os.path.exists(ready) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)                 # the launcher only, not its process group
+    code, _, err = _finish(proc)
+    assert code == 128 + signal.SIGINT, err[-3000:]  # its own signal; the ranks got SIGTERM from it
+    assert torch.load(work / "model" / "last.pth", weights_only=True)["phase"] == "train"
+
+
 LEFTOVER = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {tests!r})
@@ -269,7 +282,8 @@ class _SignalAt(Callback):
 
 
 def _toy(work, extra=(), resume=""):
-    callbacks = [LossesRecorder(), AccuracyRecorder(), LogHistory(log_dir=os.path.join(work, "log"), log_freq=2),
+    callbacks = [LossesRecorder(), AccuracyRecorder(target_names=["a", "b", "c", "d"]),
+                 LogHistory(log_dir=os.path.join(work, "log"), log_freq=2),
                  ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="Accuracy", async_save=False),
                  *extra]
     return ToyTrainer(toy_cfg(num_epochs=3, n_train=64, n_test=48, batch_size=16, momentum=0.9, work_dir=work,

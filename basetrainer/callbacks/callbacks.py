@@ -177,8 +177,8 @@ class CallbackList:
                     if hasattr(e, "add_note"):
                         e.add_note(f"raised in callback {name}.{event}")
                     first = e
-                else:
-                    _logger.exception("%s.%s failed", name, event)
+                else:  # one line: the error on its way is the one to read
+                    _logger.error("%s.%s failed too: %s: %s", name, event, type(e).__name__, e)
         if first is not None:
             raise first
 

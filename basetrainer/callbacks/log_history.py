@@ -113,6 +113,9 @@ class LogHistory(Callback):
         self._steps_done = 0
         start = getattr(self.trainer, "start_epoch", 0)
         self.rows = [r for r in self.rows if r.get("epoch", 0) < start]   # a resume keeps the epochs before it
+        if self.is_main_process and (start or getattr(self.trainer, "batch_in_epoch", 0)):
+            self.logger.info("resumed at epoch %d, step %d: lines above about later steps came from the interrupted "
+                             "run and are done again below", start, getattr(self.trainer, "batch_in_epoch", 0))
         if self.is_main_process:
             os.makedirs(self.log_dir, exist_ok=True)
             steps = len(self.trainer.train_loader) if getattr(self.trainer, "train_loader", None) is not None else 0

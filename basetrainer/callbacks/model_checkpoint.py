@@ -120,14 +120,21 @@ class ModelCheckpoint(Callback):
 
     # ---------------------------------------------------------------- events
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        others = [c for c in getattr(self.trainer, "callbacks", None) or []
-                  if isinstance(c, ModelCheckpoint) and c is not self
-                  and os.path.abspath(c.model_dir) == os.path.abspath(self.model_dir)]
-        self._tag = "".join(ch if ch.isalnum() else "_" for ch in self.indicator or "weights") if others else ""
+        sharing = [c for c in getattr(self.trainer, "callbacks", None) or []
+                   if isinstance(c, ModelCheckpoint) and os.path.abspath(c.model_dir) == os.path.abspath(self.model_dir)]
+        self._tag = ""
+        if len(sharing) > 1:   # names that no other ModelCheckpoint of this folder writes
+            name = "".join(ch if ch.isalnum() else "_" for ch in self.indicator or "weights")
+            same = [c for c in sharing if c.indicator == self.indicator]
+            self._tag = name if len(same) == 1 else f"{name}{same.index(self) + 1}"
         if self.is_main_process:
             if self.best_epoch is not None and self.best_file is None:  # a 2.0 checkpoint: find its best file
                 found = glob.glob(os.path.join(self.model_dir, f"best_model_{self.best_epoch:03d}_*.pth"))
                 self.best_file = found[0] if len(found) == 1 else None
+            if self.best_file is not None and not os.path.exists(self.best_file):
+                self.logger.warning("the best weights so far (%s=%s, epoch %s) are not in %s (resumed from another "
+                                    "folder's checkpoint?); a best file is written here when an epoch beats them",
+                                    self.indicator, self.best, self.best_epoch, self.model_dir)
             self._remove(self._superseded)  # left by a run killed after its last.pth was written
             self._superseded = []
 

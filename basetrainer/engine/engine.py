@@ -68,6 +68,7 @@ class Engine(RunState):
         self.run_id: Optional[str] = None
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.checkpoints: Optional[checkpoint.CheckpointFolder] = None
+        self._checkpoint_dir: Optional[str] = None      # chosen when the run starts (resume.prepare_run)
         self._callbacks = CallbackList([], self)
         self._guard = NonFiniteGuard()
         self._preemption = Preemption()

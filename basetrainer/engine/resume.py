@@ -46,23 +46,33 @@ def _decided_by_main(decide: Callable[[], Any], public: Callable[[Any], Any] = l
     return result if comm.is_main_process() else outcome[1]
 
 
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def claim_work_dir(cfg: Any) -> None:
     """At the trainer's construction, before a script writes anything into ``work_dir``: refuse
-    a new run in a ``work_dir`` that holds a run's checkpoints, or move that run aside
-    (``overwrite``)."""
-    work_dir, resume, overwrite = cfg.get("work_dir"), cfg.get("resume"), bool(cfg.get("overwrite"))
+    a new run in a ``work_dir`` that holds a run (checkpoints, or the marker a run leaves when it
+    starts), or move that run aside (``overwrite``). Also removes the temp files of killed
+    writes at its top level."""
+    work_dir, resume, overwrite = cfg.get("work_dir"), cfg.get("resume") or "", bool(cfg.get("overwrite"))
 
-    def decide() -> None:
-        found = run_folder.find_checkpoints(work_dir)
-        if not found or (resume and not overwrite):
-            return
-        if overwrite:
-            run_folder.move_aside(work_dir)
-            return
-        raise run_folder.refusal(f"work_dir={work_dir!r}", found)
+    def decide() -> Optional[str]:
+        atomic.remove_stale_temps(work_dir)
+        found = run_folder.find_runs(work_dir)
+        continuing = resume == "auto" or (resume and _inside(resume, work_dir))
+        if not found or (continuing and not overwrite):
+            return resume
+        if not overwrite:
+            raise run_folder.refusal(f"work_dir={work_dir!r}", found)
+        moved = run_folder.move_aside(work_dir)
+        if resume and resume != "auto" and _inside(resume, work_dir):   # it moved with the folder
+            return os.path.join(moved, os.path.relpath(os.path.abspath(resume), os.path.abspath(work_dir)))
+        return resume
 
     if work_dir:
-        _decided_by_main(decide)
+        cfg["resume"] = _decided_by_main(decide)
 
 
 def _previous_files(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
@@ -96,58 +106,98 @@ def _refuse_other_runs(trainer: Any, state: dict, path: str) -> None:
               "(moves the old run aside)")
 
 
+def _choose_folder(trainer: Any) -> Optional[str]:
+    """The checkpoint folder of this run: the candidate already holding its checkpoints (or its
+    marker), so that adding a ModelCheckpoint in front keeps the run where it is; else the first."""
+    candidates = trainer.checkpoint_candidates()
+    for folder in candidates:
+        if any(os.path.exists(os.path.join(folder, name))
+               for name in (checkpoint.LAST, checkpoint.PREVIOUS, run_folder.MARKER)):
+            return folder
+    return candidates[0] if candidates else None
+
+
+def _clear_folders(trainer: Any, folder: Optional[checkpoint.CheckpointFolder], overwrite: bool,
+                   what: str) -> None:
+    """Refuse to start in folders holding another run's files, or move them aside."""
+    existing = _previous_files(trainer, folder)
+    if existing and not overwrite:
+        raise run_folder.refusal(os.path.dirname(existing[0]), existing, what)
+    moved: List[str] = []
+    for f in sorted({os.path.dirname(os.path.abspath(p)) for p in existing}, key=len):
+        if not any(f == m or f.startswith(m + os.sep) for m in moved):
+            run_folder.move_aside(f)
+            moved.append(f)
+
+
 def _decide(trainer: Any) -> Dict[str, Any]:
-    """The main process's decision: ``{"path": checkpoint or None, "run_id": ...}``."""
+    """The main process's decision: ``{"folder": ..., "path": checkpoint or None, "run_id": ...,
+    "fork": ..., "again": ...}``."""
     cfg = trainer.cfg
     resume, overwrite = cfg.get("resume") or "", bool(cfg.get("overwrite"))
+    trainer._checkpoint_dir = chosen = _choose_folder(trainer)
     folder = trainer.checkpoint_folder()
+    decision: Dict[str, Any] = {"folder": chosen, "path": None}
+    for f in _folders(trainer, folder):
+        if os.path.isdir(f) and not os.access(f, os.W_OK | os.X_OK):
+            raise PermissionError(f"this run cannot write to {f} (read-only?): give it a folder it may write to")
+    if folder is not None:
+        folder.recover()
     for f in _folders(trainer, folder):
         atomic.remove_stale_temps(f)
-    if resume and overwrite:
-        logger.warning("overwrite: true starts a new run: resume=%r is ignored", resume)
-        resume = ""
-    if resume == "auto":
+    marker = run_folder.read_marker(chosen)
+    if marker is not None and trainer.run_id is not None and marker.get("run_id") == trainer.run_id:
+        return {**decision, "run_id": trainer.run_id, "again": True}   # run() again: go on
+    if resume == "auto" and not overwrite:
         if folder is None:
             raise ValueError("resume='auto' needs a checkpoint folder: set work_dir, or add a ModelCheckpoint")
         found = folder.find_resumable()
         if found is not None:
             _refuse_other_runs(trainer, found[1], found[0])
-            return {"path": found[0], "state": found[1]}
-    elif resume:
+            return {**decision, "path": found[0], "state": found[1]}
+    elif resume and resume != "auto":
         state = checkpoint.load_file(resume, map_location="cpu")
         if not checkpoint.is_resumable(state):
             raise ValueError(f"resume={resume!r} holds weights only, not a resumable checkpoint "
                              f"(optimizer, epoch, ...); use finetune for weights, or resume from last.pth")
         _refuse_other_runs(trainer, state, resume)
-        return {"path": resume, "state": state}
-    marker = run_folder.read_marker(folder.folder if folder else None)
-    if marker is not None and trainer.run_id is not None and marker.get("run_id") == trainer.run_id:
-        return {"path": None, "run_id": trainer.run_id}   # run() again on the same trainer: its own files
+        if folder is not None and _inside(resume, folder.folder):
+            return {**decision, "path": resume, "state": state}
+        # a new run that starts from another run's checkpoint: its folders must be its own
+        _clear_folders(trainer, folder, overwrite, f"resume={resume!r} starts a new run from another folder's "
+                                                   f"checkpoint")
+        run_id = run_folder.new_run_id()
+        if folder is not None:
+            run_folder.write_marker(folder.folder, run_id)
+        return {**decision, "path": resume, "state": state, "run_id": run_id, "fork": True}
+    if resume == "auto" and overwrite:
+        logger.warning("overwrite: true starts a new run: resume='auto' is ignored")
     existing = _previous_files(trainer, folder)
-    if existing and resume == "auto" and marker is not None:
+    if existing and resume == "auto" and marker is not None and not overwrite:
         logger.warning("resume='auto': the run in %s saved no checkpoint yet; starting it from scratch "
                        "(its files are kept or replaced by the new ones)", folder.folder)
-    elif existing and overwrite:
-        moved: List[str] = []
-        for f in sorted({os.path.dirname(os.path.abspath(p)) for p in existing}, key=len):
-            if not any(f == m or f.startswith(m + os.sep) for m in moved):
-                run_folder.move_aside(f)
-                moved.append(f)
-    elif existing:
-        raise run_folder.refusal(os.path.dirname(existing[0]), existing)
-    elif resume == "auto":
-        logger.warning("resume='auto': no checkpoint in %s yet; training from scratch", folder.folder)
-    run_id = marker["run_id"] if (marker and resume == "auto") else run_folder.new_run_id()
+    else:
+        _clear_folders(trainer, folder, overwrite, "a new run")
+        if resume == "auto" and not overwrite:
+            logger.warning("resume='auto': no checkpoint in %s yet; training from scratch", folder.folder)
+    run_id = marker["run_id"] if (marker and resume == "auto" and not overwrite) else run_folder.new_run_id()
     if folder is not None:
         run_folder.write_marker(folder.folder, run_id)
-    return {"path": None, "run_id": run_id}
+    return {**decision, "run_id": run_id}
 
 
 def prepare_run(trainer: Any) -> None:
     """Apply the run-folder rules and ``cfg.resume`` to ``trainer`` (at the start of ``run()``)."""
     decision = _decided_by_main(lambda: _decide(trainer),
                                 public=lambda d: {k: v for k, v in d.items() if k != "state"})
+    trainer._checkpoint_dir = decision.get("folder")
     path, state = decision.get("path"), decision.get("state")  # the state only on the main process
+    if decision.get("again"):   # run() again on this trainer: it goes on where the last run() ended
+        trainer.start_epoch = trainer.epoch + 1 if trainer.phase == "end" else trainer.epoch
+        trainer._skip_batches = trainer.batch_in_epoch if trainer.phase == "train" else 0
+        trainer._start_phase = "test" if trainer.phase == "test" else "train"
+        _say_if_done(trainer, "the last run()")
+        return
     if path is None:
         trainer.run_id = decision.get("run_id")
         return
@@ -162,8 +212,10 @@ def prepare_run(trainer: Any) -> None:
             for name in _OPTIMIZER_KEYS.get(key, ()):
                 if name in fresh:
                     group[name] = fresh[name]
-    if trainer.run_id is None:
-        trainer.run_id = run_folder.new_run_id()
+    trainer.run_id = decision.get("run_id") or trainer.run_id or run_folder.new_run_id()
+    stopped = bool(state.get("stopped")) and not decision.get("fork")
+    if stopped:   # e.g. EarlyStopping ended it: a resume does not train on
+        trainer.start_epoch = max(trainer.start_epoch, int(trainer.num_epochs))
     if comm.is_main_process():
         folder = trainer.checkpoint_folder()
         if folder is not None and run_folder.read_marker(folder.folder) is None:
@@ -171,5 +223,17 @@ def prepare_run(trainer: Any) -> None:
         if changes:
             logger.warning("resume from %s: the config differs from the checkpoint's; using the new values:\n%s",
                            path, "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in changes))
-        logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", path, checkpoint.describe(state),
-                    trainer.start_epoch, trainer.global_step)
+        if stopped:
+            logger.warning("resume from %s: that run had stopped (stop_training, e.g. EarlyStopping) at the %s: "
+                           "nothing more is trained. To train on, start a new run from it: resume: %s with "
+                           "another work_dir", path, checkpoint.describe(state), path)
+        else:
+            logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", path, checkpoint.describe(state),
+                        trainer.start_epoch, trainer.global_step)
+            _say_if_done(trainer, path)
+
+
+def _say_if_done(trainer: Any, source: str) -> None:
+    if comm.is_main_process() and trainer.start_epoch >= int(trainer.num_epochs):
+        logger.warning("nothing left to train: %s ended with epoch %d and num_epochs is %d; raise num_epochs "
+                       "to train on", source, trainer.start_epoch - 1, trainer.num_epochs)

@@ -18,15 +18,22 @@ class RunState:
     callbacks: List[Any]
     checkpoints: Optional[checkpoint.CheckpointFolder]
 
-    def checkpoint_dir(self) -> Optional[str]:
-        """The folder of ``last.pth``: the first ModelCheckpoint's, else ``<work_dir>/model``,
-        else None (no resumable checkpoints)."""
-        for c in self.callbacks or []:
-            folder = getattr(c, "model_dir", None)
-            if folder and hasattr(c, "save_last"):
-                return folder
+    def checkpoint_candidates(self) -> List[str]:
+        """Where ``last.pth`` may go: every ModelCheckpoint's folder, in list order, then
+        ``<work_dir>/model``."""
+        found = [c.model_dir for c in self.callbacks or [] if getattr(c, "model_dir", None) and hasattr(c, "save_last")]
         work_dir = getattr(self.cfg, "get", lambda *_: None)("work_dir")
-        return os.path.join(work_dir, "model") if work_dir else None
+        found += [os.path.join(work_dir, "model")] if work_dir else []
+        return list(dict.fromkeys(found))
+
+    def checkpoint_dir(self) -> Optional[str]:
+        """The folder of ``last.pth``: the one chosen when the run started (the candidate that
+        already holds this run's checkpoints, else the first), else the first candidate (see
+        :meth:`checkpoint_candidates`), else None (no resumable checkpoints)."""
+        if self._checkpoint_dir is not None:
+            return self._checkpoint_dir
+        candidates = self.checkpoint_candidates()
+        return candidates[0] if candidates else None
 
     def checkpoint_folder(self) -> Optional[checkpoint.CheckpointFolder]:
         folder = self.checkpoint_dir()

@@ -19,8 +19,9 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     A rank that fails stops the others (SIGTERM, then SIGKILL after 10 s) and its error is
     raised. Preempted ranks (exit 128 + SIGTERM/SIGINT) are waited for, up to ``grace``
     seconds: they agree on a stop step, rank 0 saves, and every rank exits with that status,
-    which is then this process's (SystemExit). A SIGTERM/SIGINT to this process is passed on to
-    the ranks as SIGTERM (they may not share its process group); a second Ctrl-C stops all at
+    which is then this process's (SystemExit; 128 + the signal this process received, if it got
+    one). A SIGTERM/SIGINT to this process is passed on to the ranks as SIGTERM (they may not
+    share its process group; a rank keeps the first signal it saw); a second Ctrl-C stops all at
     once. When it returns or raises, no process of the job (DataLoader workers included) is left.
     """
     import torch.multiprocessing as mp
@@ -62,8 +63,8 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     if failed is None:
         return
     codes = [p.exitcode for p in procs]
-    if codes[failed] in _PREEMPTED and all(c == codes[failed] for c in codes):
-        raise SystemExit(codes[failed])
+    if codes[failed] in _PREEMPTED and all(c in _PREEMPTED for c in codes):
+        raise SystemExit(128 + received[0] if received else codes[failed])   # this process's own signal
     _raise_failure(context, failed)
 
 

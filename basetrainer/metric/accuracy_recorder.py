@@ -168,7 +168,7 @@ class AccuracyRecorder(Callback):
         return figures
 
     def _publish(self, phase: str, figures: Dict[str, Any], logs: Optional[dict]) -> None:
-        if logs is None:
+        if logs is None or not figures.get("total"):   # no sample counted (e.g. resumed at the test phase)
             return
         for key, value in figures.items():
             if key.startswith(self.indicator):

@@ -65,16 +65,33 @@ def write_atomically(content: Any, path: str, keep_previous: Optional[str] = Non
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and os.path.exists(path):
-            os.replace(path, keep_previous)
+            _keep(path, keep_previous)
         os.replace(tmp, path)
     except Exception as e:
         _remove_quietly(tmp)
-        raise _explain(e, path, content) from e
+        explained = _explain(e, path, content)
+        if explained is e:
+            raise
+        raise explained from None   # one clear error: the folder, the bytes needed
     except BaseException:
         _remove_quietly(tmp)
         raise
     fsync_folder(folder)
     return path
+
+
+def _keep(path: str, previous: str) -> None:
+    """Make ``previous`` the current ``path`` (a hard link, so ``path`` never goes missing;
+    a rename where links are impossible)."""
+    link = temp_path(previous)
+    try:
+        _remove_quietly(link)
+        os.link(path, link)
+        os.replace(link, previous)
+        _remove_quietly(link)   # rename() does nothing when both name one file already
+    except OSError:
+        _remove_quietly(link)
+        os.replace(path, previous)
 
 
 def link_atomically(source: str, path: str, content: Any = None) -> str:
@@ -85,6 +102,7 @@ def link_atomically(source: str, path: str, content: Any = None) -> str:
         _remove_quietly(tmp)
         os.link(source, tmp)
         os.replace(tmp, path)
+        _remove_quietly(tmp)   # rename() does nothing when both name one file already
     except OSError:
         _remove_quietly(tmp)
         if content is None:
@@ -160,30 +178,36 @@ def _explain(exc: Exception, path: str, content: Any) -> Exception:
     full = _space_error(exc) is not None or (
         "unexpected pos" in str(exc) and free is not None and needed and free < needed)
     if not full:
-        if hasattr(exc, "add_note"):
+        if hasattr(exc, "add_note") and f"while writing {path}" not in getattr(exc, "__notes__", []):
             exc.add_note(f"while writing {path}")
         return exc
     return DiskFullError(errno.ENOSPC, f"no space left in {folder}: writing {os.path.basename(path)} needs "
                                        f"about {human(needed)} and {human(free)} is free")
 
 
-def remove_stale_temps(folder: str) -> List[str]:
-    """Delete the temp files in ``folder`` left by killed writers of this machine (their process
-    is gone); return their paths. Temp files of live processes or other hosts are kept."""
-    removed = []
+def stale_temps(folder: Optional[str]) -> List[str]:
+    """The temp files in ``folder`` left by killed writers of this machine (their process is
+    gone). Temp files of live processes or other hosts are not."""
     try:
-        names = os.listdir(folder)
+        names = os.listdir(folder) if folder else []
     except OSError:
-        return removed
+        return []
     host = socket.gethostname()
+    found = []
     for name in names:
         match = _TEMP.match(name)
         if not match:
             continue
         pid = int(match.group("pid") or match.group("legacy_pid"))
-        if match.group("host") not in (None, host) or _pid_alive(pid):
-            continue
-        path = os.path.join(folder, name)
+        if match.group("host") in (None, host) and not _pid_alive(pid):
+            found.append(os.path.join(folder, name))
+    return sorted(found)
+
+
+def remove_stale_temps(folder: Optional[str]) -> List[str]:
+    """Delete :func:`stale_temps` of ``folder``; return their paths."""
+    removed = []
+    for path in stale_temps(folder):
         try:
             os.remove(path)
             removed.append(path)

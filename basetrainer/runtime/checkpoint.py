@@ -190,6 +190,8 @@ def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple
         if key in QUIET_KEYS:
             continue
         old, new = saved.get(key, missing), current.get(key, missing)
+        if isinstance(old, str) and isinstance(new, str) and old and new and os.path.normpath(old) == os.path.normpath(new):
+            continue   # the same path written another way (a trailing slash)
         if old != new:
             out.append((key, None if old is missing else old, None if new is missing else new))
     return out
@@ -218,6 +220,7 @@ def capture(engine: Any, rngs: Optional[List[dict]] = None) -> dict:
         "config": plain(dict(cfg)) if cfg is not None else {},
         "logs": {k: v for k, v in (getattr(engine, "logs", None) or {}).items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)},
+        "stopped": bool(getattr(engine, "stop_training", False)),   # e.g. EarlyStopping ended the run
     }
 
 
@@ -251,8 +254,30 @@ class CheckpointFolder:
         self._cleanups: List[Callable[[], None]] = []
         self._foreground = False
         self.committed: Optional[str] = None    # what the newest last.pth of this process holds
+        self._last_damaged = False              # last.pth did not load: never rotate it over last.prev.pth
 
     # ------------------------------------------------------------------ finding
+    def recover(self) -> Optional[str]:
+        """A writer killed between keeping the previous ``last.pth`` and putting the new one in
+        place (rename fallback) leaves ``last.pth`` missing and the new one complete in its temp
+        file: put it in place. Returns the recovered path, or None."""
+        if os.path.exists(self.last):
+            return None
+        for temp in atomic.stale_temps(self.folder):
+            if not os.path.basename(temp).startswith(f".{LAST}.tmp"):
+                continue
+            try:
+                state = load_file(temp)
+            except ValueError:
+                continue
+            if is_resumable(state) and not non_finite(state.get("model", {})):
+                os.replace(temp, self.last)
+                atomic.fsync_folder(self.folder)
+                logger.warning("recovered %s from the complete file a killed write left (%s)", self.last,
+                               describe(state))
+                return self.last
+        return None
+
     def find_resumable(self) -> Optional[Tuple[str, dict]]:
         """``(path, state)`` of the newest loadable checkpoint (``last.pth``, else
         ``last.prev.pth``, with a warning), or None when the folder holds neither.
@@ -261,6 +286,8 @@ class CheckpointFolder:
             ValueError: checkpoints exist but none is loadable; the message names each and why.
         """
         damaged: List[str] = []
+        if os.path.exists(self.previous) and not os.path.exists(self.last):
+            damaged.append(f"{self.last!r} is missing")
         for path in (self.last, self.previous):
             if not os.path.exists(path):
                 continue
@@ -273,6 +300,7 @@ class CheckpointFolder:
                     raise ValueError(f"{path!r} holds non-finite weights ({', '.join(bad[:3])})")
             except ValueError as e:
                 damaged.append(str(e))
+                self._last_damaged = self._last_damaged or path == self.last
                 continue
             if damaged:
                 logger.warning("resume: %s; resuming from %s (%s) instead", "; ".join(damaged), path,
@@ -318,11 +346,18 @@ class CheckpointFolder:
         target = path or self.last
         what = describe(state)
 
+        keep = self.previous if target == self.last else None
+        if keep and self._last_damaged:   # set the damaged last.pth aside: last.prev.pth is the good one
+            self._last_damaged, keep = False, None
+            if os.path.exists(self.last):
+                os.replace(self.last, self.last + ".damaged")
+                logger.warning("moved the damaged %s to %s.damaged; %s stays", self.last, self.last, self.previous)
+
         def job(saved: dict) -> None:
             try:
                 for write in writes:
                     write(saved)
-                atomic.write_atomically(saved, target, keep_previous=self.previous if target == self.last else None)
+                atomic.write_atomically(saved, target, keep_previous=keep)
             except atomic.DiskFullError as e:
                 raise atomic.DiskFullError(e.errno, f"{e.strerror}. {self._intact()}") from None
             if target == self.last:

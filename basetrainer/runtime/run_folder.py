@@ -38,8 +38,9 @@ def write_marker(folder: str, run_id: str) -> None:
     atomic.write_atomically(text, os.path.join(folder, MARKER))
 
 
-def find_checkpoints(root: Optional[str], depth: int = 3) -> List[str]:
-    """``last.pth``/``last.prev.pth`` files at most ``depth`` folders below ``root``."""
+def find_runs(root: Optional[str], depth: int = 3) -> List[str]:
+    """Files that show a run used ``root``: ``last.pth``, ``last.prev.pth`` and run markers, at
+    most ``depth`` folders below it."""
     found: List[str] = []
     if not root or not os.path.isdir(root):
         return found
@@ -47,7 +48,7 @@ def find_checkpoints(root: Optional[str], depth: int = 3) -> List[str]:
     for folder, dirs, files in os.walk(root):
         if os.path.abspath(folder).rstrip(os.sep).count(os.sep) - base >= depth:
             dirs[:] = []
-        found += [os.path.join(folder, f) for f in files if f in CHECKPOINT_NAMES]
+        found += [os.path.join(folder, f) for f in files if f in CHECKPOINT_NAMES or f == MARKER]
     return sorted(found)
 
 
@@ -73,11 +74,11 @@ def move_aside(folder: str) -> str:
     return dest
 
 
-def refusal(where: str, evidence: Iterable[str]) -> FileExistsError:
+def refusal(where: str, evidence: Iterable[str], what: str = "a new run") -> FileExistsError:
     shown = sorted(evidence)
     listed = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
     return FileExistsError(
-        f"{where} already holds the files of another run ({listed}); a new run there would mix with "
+        f"{where} already holds the files of another run ({listed}); {what} there would mix with "
         f"them or replace them. Continue that run with resume: auto (--resume auto), give this run "
         f"another work_dir, or set overwrite: true (--overwrite) to move the old run aside to "
         f"<folder>.old-<time> and start afresh")

@@ -1,0 +1,88 @@
+"""What a release carries: the license in the repository, the wheel and the sdist."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+import zipfile
+
+import pytest
+
+from conftest import ROOT
+
+import basetrainer
+
+
+def _license_text() -> str:
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _pyproject() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_license_file_is_the_mit_text():
+    text = _license_text()
+    assert text.startswith("MIT License\n")
+    assert re.search(r"^Copyright \(c\) \d{4} \S", text, re.M)
+    assert "Permission is hereby granted, free of charge" in text
+    assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
+    project = _pyproject()["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A wheel (``pip wheel``) and an sdist built from a copy of the source (the checkout's own
+    tree keeps no build/ or egg-info from this)."""
+    root = tmp_path_factory.mktemp("release")
+    src = root / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if os.path.exists(os.path.join(ROOT, name)):
+            shutil.copy(os.path.join(ROOT, name), src / name)
+    shutil.copytree(os.path.join(ROOT, "basetrainer"), src / "basetrainer",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    out = root / "dist"
+    env = dict(os.environ, PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(out), str(src)], capture_output=True, text=True, env=env, timeout=300)
+    assert wheel.returncode == 0, wheel.stdout + wheel.stderr
+    sdist = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; "
+                            f"print(build_meta.build_sdist({str(out)!r}))"],
+                           cwd=str(src), capture_output=True, text=True, timeout=300)
+    assert sdist.returncode == 0, sdist.stdout + sdist.stderr
+    wheels = sorted(out.glob("*.whl"))
+    sdists = sorted(out.glob("*.tar.gz"))
+    assert len(wheels) == 1 and len(sdists) == 1, os.listdir(out)
+    return wheels[0], sdists[0]
+
+
+def test_wheel_carries_the_license(built):
+    wheel, _ = built
+    version = basetrainer.__version__
+    assert wheel.name == f"basetrainer-{version}-py3-none-any.whl"
+    info = f"basetrainer-{version}.dist-info"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        assert f"{info}/licenses/LICENSE" in names, sorted(n for n in names if ".dist-info/" in n)
+        assert z.read(f"{info}/licenses/LICENSE").decode("utf-8") == _license_text()
+        metadata = z.read(f"{info}/METADATA").decode("utf-8")
+    assert "License-Expression: MIT" in metadata.splitlines()
+    assert "License-File: LICENSE" in metadata.splitlines()
+    assert {"basetrainer/__init__.py", "basetrainer/py.typed",
+            "basetrainer/callbacks/progress_bar.py"} <= names
+    assert not any(n.startswith(("tests/", "examples/", "bench/")) for n in names)
+
+
+def test_sdist_carries_the_license(built):
+    _, sdist = built
+    top = f"basetrainer-{basetrainer.__version__}"
+    with tarfile.open(sdist) as t:
+        assert f"{top}/LICENSE" in t.getnames(), t.getnames()[:20]
+        member = t.extractfile(f"{top}/LICENSE")
+        assert member is not None and member.read().decode("utf-8") == _license_text()

@@ -1,4 +1,5 @@
-"""What a release carries: the license in the repository, the wheel and the sdist."""
+"""What a release carries: the license in the repository, the wheel and the sdist; lower bounds
+in pyproject.toml that CI has run."""
 import os
 import re
 import shutil
@@ -13,6 +14,8 @@ import pytest
 from conftest import ROOT
 
 import basetrainer
+
+CONSTRAINTS = os.path.join(ROOT, ".ci", "floor-constraints.txt")
 
 
 def _license_text() -> str:
@@ -74,6 +77,7 @@ def test_wheel_carries_the_license(built):
         metadata = z.read(f"{info}/METADATA").decode("utf-8")
     assert "License-Expression: MIT" in metadata.splitlines()
     assert "License-File: LICENSE" in metadata.splitlines()
+    assert "Requires-Python: >=3.11" in metadata.splitlines()
     assert {"basetrainer/__init__.py", "basetrainer/py.typed",
             "basetrainer/callbacks/progress_bar.py"} <= names
     assert not any(n.startswith(("tests/", "examples/", "bench/")) for n in names)
@@ -86,3 +90,41 @@ def test_sdist_carries_the_license(built):
         assert f"{top}/LICENSE" in t.getnames(), t.getnames()[:20]
         member = t.extractfile(f"{top}/LICENSE")
         assert member is not None and member.read().decode("utf-8") == _license_text()
+
+
+def _lower_bounds() -> dict:
+    """Every requirement of pyproject.toml (dependencies and extras) -> its ">=" bound."""
+    project = _pyproject()["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    bounds = {}
+    for req in requirements:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)", req)
+        assert match, f"{req!r}: every requirement states the lowest version CI ran, as name>=version"
+        name = match.group(1).lower().replace("_", "-")
+        assert bounds.setdefault(name, match.group(2)) == match.group(2), f"two bounds for {name}"
+    return bounds
+
+
+def _floor_pins() -> dict:
+    pins = {}
+    with open(CONSTRAINTS, encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                name, version = line.split("==")
+                pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def test_lower_bounds_are_the_versions_ci_installs_in_its_floor_environment():
+    assert _lower_bounds() == _floor_pins()
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert "CONSTRAINTS=.ci/floor-constraints.txt" in ci and "VENV=.venv-floor" in ci
+
+
+def test_requires_python_is_the_tested_interpreter():
+    assert _pyproject()["project"]["requires-python"] == ">=3.11"
+    assert sys.version_info >= (3, 11)

@@ -1,5 +1,6 @@
-"""What examples/example.py prints with its defaults (progress on): no progress-bar redraws in
-output that is not a terminal (CI logs, nohup, SLURM files), bars in a terminal."""
+"""What examples/example.py leaves behind with its defaults (progress on, start_save from the
+config): no progress-bar redraws in output that is not a terminal (CI logs, nohup, SLURM files),
+bars in a terminal, and only best + last weights on disk."""
 import fcntl
 import os
 import re
@@ -112,3 +113,13 @@ def test_a_terminal_shows_the_bars(runs):
         assert phase in text
     assert re.search(rb"Train epoch 1: +\d+%[^\r\n]*\| *[0-3]/3 \[", text)
     assert b"final test/Accuracy:" in text
+
+
+def test_only_best_and_last_weights_by_default(runs):
+    root, (code, out, err), _, _ = runs
+    assert code == 0
+    files = sorted(os.listdir(root / "piped" / "model"))
+    assert len(files) == 2 and files[1] == "last.pth", files
+    assert re.fullmatch(r"best_model_00[01]_\d\.\d{4}\.pth", files[0]), files
+    saved = yaml.safe_load(open(root / "piped" / "setup_config.yaml"))
+    assert saved["start_save"] == 0

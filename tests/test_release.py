@@ -1,5 +1,5 @@
 """What a release carries: the license in the repository, the wheel and the sdist; lower bounds
-in pyproject.toml that CI has run."""
+in pyproject.toml that CI has run; a CHANGELOG; README naming the tested versions."""
 import os
 import re
 import shutil
@@ -128,3 +128,21 @@ def test_lower_bounds_are_the_versions_ci_installs_in_its_floor_environment():
 def test_requires_python_is_the_tested_interpreter():
     assert _pyproject()["project"]["requires-python"] == ">=3.11"
     assert sys.version_info >= (3, 11)
+
+
+def test_readme_states_the_tested_versions():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    for name, version in _floor_pins().items():     # each floor CI runs, by name and version
+        assert re.search(rf"\b{re.escape(name)} {re.escape(version)}\b", readme, re.I), (name, version)
+    assert "Python 3.11" in readme and "Python 3.9+" not in readme
+    assert "CHANGELOG.md" in readme
+
+
+def test_changelog_has_the_releases():
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        text = f.read()
+    headings = re.findall(r"^## \[?([^\]\s]+)\]?", text, re.M)
+    assert headings[0] == "Unreleased"
+    assert basetrainer.__version__ in headings
+    assert "1.0" in text   # 2.0's changes are told against Pytorch-Base-Trainer 1.0.x

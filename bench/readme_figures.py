@@ -54,14 +54,19 @@ def machine() -> Dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
             "os": f"{platform.system()} {platform.release()}", **json.loads(probe.stdout),
             "commit": commit, "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "load_start": round(os.getloadavg()[0], 2)}
+            "load_start": load()}
+
+
+def load() -> float:
+    """The 1-minute load average: on a shared machine it says how far a time can be trusted."""
+    return round(os.getloadavg()[0], 2)
 
 
 def timed(cmd: List[str], **kwargs: Any) -> Dict[str, Any]:
-    start = time.perf_counter()
+    before, start = load(), time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, **kwargs)
     return {"seconds": time.perf_counter() - start, "code": proc.returncode, "stdout": proc.stdout,
-            "stderr": proc.stderr}
+            "stderr": proc.stderr, "load": [before, load()]}
 
 
 def disk_use(folder: str) -> Dict[str, Any]:
@@ -95,6 +100,7 @@ def run_example(work_dir: str, extra: List[str]) -> Dict[str, Any]:
             "prepare_data_seconds": round(prep["seconds"], 1),
             "final_accuracy": float(final.group(1)), "best_accuracy": float(final.group(2)),
             "epochs": int(final.group(3)), "epoch_seconds": [round(t, 2) for t in epoch_times],
+            "load": run["load"],
             "disk": disk_use(work_dir),
             "carriage_returns": {"stdout": out.count("\r"), "stderr": err.count("\r")},
             "longest_line": max((len(line) for line in (out + "\n" + err).split("\n")), default=0)}
@@ -105,7 +111,8 @@ def run_tests() -> Dict[str, Any]:
     run = timed([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"])
     tail = run["stdout"].decode(errors="replace").strip().splitlines()[-1]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", tail)}
-    return {"code": run["code"], "seconds": round(run["seconds"], 1), "summary": tail, "counts": counts}
+    return {"code": run["code"], "seconds": round(run["seconds"], 1), "summary": tail, "counts": counts,
+            "load": run["load"]}
 
 
 def markdown(results: Dict[str, Any]) -> str:
@@ -114,7 +121,8 @@ def markdown(results: Dict[str, Any]) -> str:
              f"Measured by `python3 bench/readme_figures.py` on {m['date']} at commit {m['commit']}: "
              f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}, "
              f"{'a CUDA GPU' if m['cuda'] else 'no GPU'}; Python {m['python']}, torch {m['torch']}, "
-             f"torchvision {m['torchvision']}; load average {m['load_start']} at the start.", "",
+             f"torchvision {m['torchvision']}; load average {m['load_start']} at the start (a "
+             f"time measured while other work shares the cores is longer).", "",
              "| figure | value |", "|---|---|"]
     if "setup" in results:
         s = results["setup"]
@@ -125,7 +133,7 @@ def markdown(results: Dict[str, Any]) -> str:
         lines += [f"| `{e['command'].strip()}` | final test/Accuracy {e['final_accuracy']:.4f} (best "
                   f"{e['best_accuracy']:.4f}) after {e['epochs']} epochs |",
                   f"| its time, the whole command | {e['seconds']:.0f} s (digits prepared beforehand in "
-                  f"{e['prepare_data_seconds']:.0f} s) |",
+                  f"{e['prepare_data_seconds']:.0f} s; load average {e['load'][0]} before, {e['load'][1]} after) |",
                   f"| its epochs | {', '.join(f'{t:.1f}' for t in e['epoch_seconds'])} s |",
                   f"| its work_dir on disk | {e['disk']['bytes']:,} bytes ({mib:.0f} MiB) |",
                   f"| carriage returns in its stdout / stderr (not terminals) | {e['carriage_returns']['stdout']} / "
@@ -133,7 +141,8 @@ def markdown(results: Dict[str, Any]) -> str:
         lines += [f"| &nbsp;&nbsp;`{name}` | {size:,} bytes |" for name, size in e["disk"]["files"].items()]
     if "tests" in results:
         t = results["tests"]
-        lines.append(f"| `.venv/bin/python -m pytest` | {t['summary']} (wall {t['seconds']:.0f} s, exit {t['code']}) |")
+        lines.append(f"| `.venv/bin/python -m pytest` | {t['summary']} (wall {t['seconds']:.0f} s, exit {t['code']}; "
+                     f"load average {t['load'][0]} before, {t['load'][1]} after) |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,7 +173,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
         say("the test suite (about 4 minutes) ...")
         results["tests"] = run_tests()
         say(f"tests: {results['tests']['summary']}")
-    results["load_end"] = round(os.getloadavg()[0], 2)
+    results["load_end"] = load()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "figures.md"), "w", encoding="utf-8") as f:

@@ -107,8 +107,9 @@ def test_a_terminal_shows_the_bars(runs):
     code, text = tty_result
     assert code == 0, text.decode(errors="replace")
     # the terminal turns every "\n" into "\r\n"; a bar's redraw is a "\r" that no "\n" follows
+    # (each of the 4 bars: at least its first draw and the "\r" that clears it)
     redraws = len(re.findall(rb"\r(?!\n)", text))
-    assert redraws >= 12, text.decode(errors="replace")[-3000:]
+    assert redraws >= 8, text.decode(errors="replace")[-3000:]
     for phase in (b"Train epoch 0", b"Test  epoch 0", b"Train epoch 1", b"Test  epoch 1"):
         assert phase in text
     assert re.search(rb"Train epoch 1: +\d+%[^\r\n]*\| *[0-3]/3 \[", text)

@@ -1,35 +1,52 @@
 #!/usr/bin/env bash
 # Create .venv and install basetrainer (editable) with its dev extra.
 # Idempotent: a second run with nothing changed prints nothing and returns at once.
-# PYTHON picks the interpreter (default python3, 3.9 or newer); TORCH_SPEC the torch build to
-# install when the venv has none (default: the release that lies on this machine's disk, so pip
-# does not download a CUDA build of several GB).
+#
+# Environment (all optional):
+#   PYTHON       the interpreter (default python3; 3.11 is the version tested)
+#   VENV         the virtual environment's folder (default .venv)
+#   TORCH_SPEC   the torch build to install when the venv has none (default: the release that lies
+#                on this machine's disk, so pip does not download a CUDA build of several GB)
+#   EXTRAS       basetrainer's extras to install (default dev)
+#   CONSTRAINTS  a pip constraints file applied to every install (CI's floor environment pins the
+#                lowest versions pyproject.toml declares with .ci/floor-constraints.txt)
 set -euo pipefail
 cd "$(dirname "$0")"
 
 py=${PYTHON:-python3}
+venv=${VENV:-.venv}
 torch_spec=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
-stamp=.venv/.setup-stamp
-want=$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
+extras=${EXTRAS:-dev}
+constraints=${CONSTRAINTS:-}
+stamp=$venv/.setup-stamp
+want=$( { cat pyproject.toml setup.sh; echo "$torch_spec $extras"; if [ -n "$constraints" ]; then cat "$constraints"; fi; } \
+        | sha256sum | cut -d' ' -f1)
 
-if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 
+pip_args=(-q --disable-pip-version-check)
+if [ -n "$constraints" ]; then
+    pip_args+=(-c "$constraints")
+fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+# each step runs only if the previous one succeeded (set -e does not apply inside "if ! { ... }")
 if ! {
-    [ -x .venv/bin/python ] || "$py" -m venv .venv
-    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-    if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
+    { [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"; } &&
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip &&
+    { "$venv/bin/python" -c "import torch, torchvision" 2>/dev/null ||
         # shellcheck disable=SC2086
-        .venv/bin/python -m pip install -q --disable-pip-version-check $torch_spec
-    fi
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+        "$venv/bin/python" -m pip install "${pip_args[@]}" $torch_spec; } &&
+    "$venv/bin/python" -m pip install "${pip_args[@]}" -e ".[$extras]" &&
+    # a torch/torchvision pair that installs but does not import (a CUDA torchvision beside a
+    # CPU torch) fails here, not in the tests
+    "$venv/bin/python" -c "import torch, torchvision, basetrainer"
 } >"$log" 2>&1; then
     grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
     echo "setup.sh: installation failed (full pip output above)" >&2
     exit 1
 fi
 echo "$want" >"$stamp"
-echo "setup.sh: .venv ready ($(.venv/bin/python -c 'import torch, basetrainer; print("torch", torch.__version__, "basetrainer", basetrainer.__version__)'))"
+echo "setup.sh: $venv ready ($("$venv/bin/python" -c 'import torch, torchvision, basetrainer; print("torch", torch.__version__, "torchvision", torchvision.__version__, "basetrainer", basetrainer.__version__)'))"

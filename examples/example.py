@@ -152,8 +152,11 @@ def get_parser():
     parser.add_argument("--use_prune", action="store_true", help="prune before training")
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of channels pruned per layer")
     parser.add_argument("--prune_type", default="l1", help="l1, l2, fpgm, slim")
+    parser.add_argument("--start_save", type=int, default=0,
+                        help="0: keep only the best and last checkpoints; N: also each epoch's weights "
+                             "from epoch N on; -1: the last 10 epochs' weights")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="progress bars (--no-progress to turn off)")
+                        help="progress bars in a terminal or notebook (--no-progress to turn off)")
     parser.add_argument("--distributed", action="store_true", help="one process per gpu_id entry (DDP)")
     return parser
 

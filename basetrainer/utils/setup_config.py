@@ -106,7 +106,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm in DDP"),
     "find_unused_parameters": (False, "bool", "DDP option for models with unused parameters"),
     "loss_in_replica": (False, "bool", "DataParallel: each replica computes its own loss (less memory on GPU 0)"),
-    "start_save": (None, "optint", "ModelCheckpoint: first epoch to keep per-epoch files (None = last 10)"),
+    "start_save": (0, "optint", "ModelCheckpoint: 0 = best + last only; N = per-epoch files from epoch N; "
+                                "None/-1 = the last 10"),
 }
 
 

@@ -18,14 +18,14 @@ def _files_after_run(folder, start_save):
     t = ToyTrainer(cfg, callbacks=[AccuracyRecorder()])
     t.callbacks.append(ModelCheckpoint(model_dir=str(folder), indicator="Accuracy", start_save=cfg.start_save))
     t.run()
-    return cfg.start_save, sorted(os.listdir(folder))
+    return cfg.start_save, sorted(f for f in os.listdir(folder) if not f.startswith("."))   # not the run marker
 
 
 def test_config_default_keeps_best_and_last_only(tmp_path):
     assert setup_config.engine_defaults().start_save == 0
     start_save, files = _files_after_run(tmp_path / "model", "default")
     assert start_save == 0
-    assert len(files) == 2 and files[1] == "last.pth", files
+    assert len(files) == 3 and files[1:] == ["last.prev.pth", "last.pth"], files   # last and the one before
     assert re.fullmatch(r"best_model_00[0-2]_\d\.\d{4}\.pth", files[0])
 
 

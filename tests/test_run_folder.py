@@ -451,3 +451,12 @@ def test_a_read_only_run_folder_is_an_error_before_training(tmp_path, monkeypatc
     with pytest.raises(PermissionError, match="model"):
         run(work, epochs=2, resume="auto", callbacks=[LossesRecorder(), checkpointed(work), Trained()])
     assert seen == []       # refused before a step was trained
+
+
+def test_a_run_without_checkpoints_leaves_no_file_and_runs_again(tmp_path, monkeypatch):
+    from basetrainer.utils.setup_config import Config
+
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):   # the default work_dir, no ModelCheckpoint: nothing to protect, nothing written
+        ToyTrainer(Config(num_epochs=1, progress=False, gpu_id=[])).run()
+    assert os.listdir(tmp_path) == []

@@ -145,9 +145,9 @@ def _decide(trainer: Any) -> Dict[str, Any]:
         folder.recover()
     for f in _folders(trainer, folder):
         atomic.remove_stale_temps(f)
+    if trainer.run_id is not None:   # run() again on this trainer: it goes on with its own files
+        return {**decision, "run_id": trainer.run_id, "again": True}
     marker = run_folder.read_marker(chosen)
-    if marker is not None and trainer.run_id is not None and marker.get("run_id") == trainer.run_id:
-        return {**decision, "run_id": trainer.run_id, "again": True}   # run() again: go on
     if resume == "auto" and not overwrite:
         if folder is None:
             raise ValueError("resume='auto' needs a checkpoint folder: set work_dir, or add a ModelCheckpoint")
@@ -167,7 +167,7 @@ def _decide(trainer: Any) -> Dict[str, Any]:
         _clear_folders(trainer, folder, overwrite, f"resume={resume!r} starts a new run from another folder's "
                                                    f"checkpoint")
         run_id = run_folder.new_run_id()
-        if folder is not None:
+        if _owned(trainer, folder):
             run_folder.write_marker(folder.folder, run_id)
         return {**decision, "path": resume, "state": state, "run_id": run_id, "fork": True}
     if resume == "auto" and overwrite:
@@ -181,9 +181,17 @@ def _decide(trainer: Any) -> Dict[str, Any]:
         if resume == "auto" and not overwrite:
             logger.warning("resume='auto': no checkpoint in %s yet; training from scratch", folder.folder)
     run_id = marker["run_id"] if (marker and resume == "auto" and not overwrite) else run_folder.new_run_id()
-    if folder is not None:
+    if _owned(trainer, folder):
         run_folder.write_marker(folder.folder, run_id)
     return {**decision, "run_id": run_id}
+
+
+def _owned(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> bool:
+    """Whether a ModelCheckpoint writes to ``folder`` (then it is marked as this run's when the run
+    starts; a bare ``<work_dir>/model`` only gets a file if a preemption saves one)."""
+    return folder is not None and any(
+        getattr(c, "model_dir", None) and os.path.abspath(c.model_dir) == os.path.abspath(folder.folder)
+        for c in trainer.callbacks or [])
 
 
 def prepare_run(trainer: Any) -> None:
@@ -218,7 +226,7 @@ def prepare_run(trainer: Any) -> None:
         trainer.start_epoch = max(trainer.start_epoch, int(trainer.num_epochs))
     if comm.is_main_process():
         folder = trainer.checkpoint_folder()
-        if folder is not None and run_folder.read_marker(folder.folder) is None:
+        if _owned(trainer, folder) and run_folder.read_marker(folder.folder) is None:
             run_folder.write_marker(folder.folder, trainer.run_id)
         if changes:
             logger.warning("resume from %s: the config differs from the checkpoint's; using the new values:\n%s",

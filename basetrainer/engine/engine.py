@@ -57,8 +57,7 @@ class Engine(RunState):
         self.batch_in_epoch = 0         # train steps done in the current epoch
         self.device = torch.device("cpu")
         self.progress, self.log_freq, self.seed = False, 50, 0
-        self.amp = "none"               # none | fp16 | bf16
-        self.accumulate_steps = 1
+        self.amp, self.accumulate_steps = "none", 1      # amp: none | fp16 | bf16
         self.clip_grad_norm: Optional[float] = None
         self.channels_last = False
         self.loss_in_replica = False    # model is DataParallel(ModelWithLoss): it returns the loss too
@@ -66,6 +65,7 @@ class Engine(RunState):
         self.history = History()
         self.logs: Dict[str, Any] = {}  # the run's logs (a fresh dict per run)
         self.run_id: Optional[str] = None
+        self.runs_done = 0              # run() calls that ended (a next one goes on from there)
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.checkpoints: Optional[checkpoint.CheckpointFolder] = None
         self._checkpoint_dir: Optional[str] = None      # chosen when the run starts (resume.prepare_run)
@@ -128,6 +128,7 @@ class Engine(RunState):
                         self.preempt(f"the end of epoch {epoch}")
                 finished = True
             finally:
+                self.runs_done += 1
                 self._callbacks.call_all("on_train_end", logs, raise_first=finished)  # always, all
         return self.history
 

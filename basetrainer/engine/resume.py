@@ -145,7 +145,7 @@ def _decide(trainer: Any) -> Dict[str, Any]:
         folder.recover()
     for f in _folders(trainer, folder):
         atomic.remove_stale_temps(f)
-    if trainer.run_id is not None:   # run() again on this trainer: it goes on with its own files
+    if trainer.runs_done and trainer.run_id is not None:   # run() again: it goes on with its own files
         return {**decision, "run_id": trainer.run_id, "again": True}
     marker = run_folder.read_marker(chosen)
     if resume == "auto" and not overwrite:

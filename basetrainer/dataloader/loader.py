@@ -4,7 +4,7 @@ Training uses a :class:`~basetrainer.dataloader.sampler.GlobalBatchSampler` in e
 rank in one process): global batches from a (seed, epoch) permutation, each split over the
 ranks without padding, so step k of a single, DP or DDP run sees the same global batch, and
 every sample is trained on once per epoch. Items are loaded with their random generators seeded
-from (seed, epoch, index) (:class:`~basetrainer.dataloader.sampler.SeededDataset`).
+from (seed, epoch, index) (:class:`~basetrainer.dataloader.seeding.SeededDataset`).
 Evaluation shards the data without padding or duplicates (:class:`ShardSampler`).
 """
 import logging
@@ -14,7 +14,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from basetrainer.dataloader.sampler import GlobalBatchSampler, SeededDataset
+from basetrainer.dataloader.sampler import GlobalBatchSampler
+from basetrainer.dataloader.seeding import SeededDataset
 from basetrainer.runtime import comm
 
 logger = logging.getLogger(__name__)

@@ -188,7 +188,7 @@ class EngineTrainer(Engine):
             seed_per_sample: load each train sample with python's, numpy's and torch's random
                 generators seeded from (seed, epoch, index), so random augmentation is the same
                 whatever worker, batch or resumed run loads it (default: the config's
-                ``seed_per_sample``, true; about 8 us per sample).
+                ``seed_per_sample``, true; see :mod:`basetrainer.dataloader.seeding`).
             **kwargs: passed to :class:`torch.utils.data.DataLoader` (e.g. ``collate_fn``).
         """
         if seed_per_sample is None:

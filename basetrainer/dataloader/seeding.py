@@ -64,6 +64,10 @@ class _Generators:
     def __init__(self) -> None:
         self.watches = {"numpy": _numpy_watch(), "python": _python_watch()}
         self.seeded = {name: watch is None for name, watch in self.watches.items()}
+        self._unseeded = self._still_unseeded()
+
+    def _still_unseeded(self) -> tuple:
+        return tuple((name, watch) for name, watch in self.watches.items() if not self.seeded[name])
 
     def seed(self, s: int) -> None:
         torch.default_generator.manual_seed(s)
@@ -74,13 +78,16 @@ class _Generators:
 
     def load(self, dataset: Any, index: int, s: int) -> Any:
         self.seed(s)
-        unseeded = [name for name, on in self.seeded.items() if not on]
-        marks = [self.watches[name].mark() for name in unseeded]
+        unseeded = self._unseeded
+        if not unseeded:
+            return dataset[index]
+        marks = [watch.mark() for _, watch in unseeded]
         item = dataset[index]
-        moved = [name for name, mark in zip(unseeded, marks) if self.watches[name].mark() != mark]
+        moved = [name for (name, watch), mark in zip(unseeded, marks) if watch.mark() != mark]
         if moved:   # it draws from one more generator: from now on seeded, and this item again
             for name in moved:
                 self.seeded[name] = True
+            self._unseeded = self._still_unseeded()
             self.seed(s)
             item = dataset[index]
         return item

@@ -80,31 +80,33 @@ def write_atomically(content: Any, path: str, keep_previous: Optional[str] = Non
     return path
 
 
+def _link_replace(source: str, path: str) -> None:
+    """Make ``path`` a hard link to ``source``, replacing any old ``path`` atomically (OSError
+    where links are impossible; nothing is left behind then)."""
+    link = temp_path(path)
+    try:
+        _remove_quietly(link)
+        os.link(source, link)
+        os.replace(link, path)
+    finally:
+        _remove_quietly(link)   # also: rename() does nothing when both name one file already
+
+
 def _keep(path: str, previous: str) -> None:
     """Make ``previous`` the current ``path`` (a hard link, so ``path`` never goes missing;
     a rename where links are impossible)."""
-    link = temp_path(previous)
     try:
-        _remove_quietly(link)
-        os.link(path, link)
-        os.replace(link, previous)
-        _remove_quietly(link)   # rename() does nothing when both name one file already
+        _link_replace(path, previous)
     except OSError:
-        _remove_quietly(link)
         os.replace(path, previous)
 
 
 def link_atomically(source: str, path: str, content: Any = None) -> str:
     """Make ``path`` a hard link to ``source`` (no second copy of the bytes), replacing any
     old ``path`` atomically; where links are impossible, write ``content`` instead."""
-    tmp = temp_path(path)
     try:
-        _remove_quietly(tmp)
-        os.link(source, tmp)
-        os.replace(tmp, path)
-        _remove_quietly(tmp)   # rename() does nothing when both name one file already
+        _link_replace(source, path)
     except OSError:
-        _remove_quietly(tmp)
         if content is None:
             raise
         return write_atomically(content, path)

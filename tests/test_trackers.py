@@ -335,7 +335,7 @@ def _run(work, callbacks, **cfg):
 
 
 @needs_mlflow
-def test_mlflow_logger_in_build_callbacks_resumes_its_run(tmp_path, empty_store):
+def test_mlflow_logger_in_build_callbacks_resumes_its_run(tmp_path, empty_store, caplog):
     from basetrainer.callbacks.trackers import MLflowLogger
 
     work = tmp_path / "work"
@@ -358,6 +358,19 @@ def test_mlflow_logger_in_build_callbacks_resumes_its_run(tmp_path, empty_store)
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
         [(e, pytest.approx(v, rel=1e-12)) for e, v in enumerate(first["train/loss"] + second["train/loss"])]
     assert not os.path.exists(work / "mlflow.db")          # uri given: nothing in work_dir
+    # resumed against a store without that run: a new run there, with the checkpoint's epochs first
+    other = tmp_path / "other"
+    _store(str(other), empty_store)
+    uri = "sqlite:///" + str(other / "mlflow.db")
+    with caplog.at_level(logging.WARNING):
+        _, third = _run(work, callbacks(), loggers=["csv"], num_epochs=4, resume="auto")
+    assert any("does not hold run" in r.getMessage() for r in caplog.records)
+    client, runs = _runs(other)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    history = client.get_metric_history(runs[0].info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
+        [(e, pytest.approx(v, rel=1e-12)) for e, v in enumerate(first["train/loss"] + second["train/loss"]
+                                                                + third["train/loss"])]
 
 
 @needs_mlflow

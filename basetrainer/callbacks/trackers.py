@@ -90,6 +90,7 @@ class Tracker(Callback):
     def __init__(self) -> None:
         super().__init__()
         self.run_id: Optional[str] = None
+        self.job: Optional[str] = None   # basetrainer's run id that ``run_id`` belongs to
         self.log_history: Any = None     # the LogHistory whose figures this tracker gets
         self.failed = False
         self._active = False
@@ -100,10 +101,11 @@ class Tracker(Callback):
         self.log_history = log_history
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"run_id": self.run_id}
+        return {"run_id": self.run_id, "job": self.job}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.run_id = state.get("run_id") or self.run_id
+        self.job = state.get("job") or self.job
 
     def _guard(self, action: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn``; the first failure turns this tracker off with one warning."""
@@ -142,8 +144,8 @@ class Tracker(Callback):
         return str(getattr(self.trainer, "run_id", None) or uuid.uuid4().hex)
 
     def best_files(self) -> List[str]:
-        """The best weights files of the trainer's ModelCheckpoints (complete on disk)."""
-        atomic.wait_for_writes()
+        """The best weights files of the trainer's ModelCheckpoints (complete on disk once
+        :meth:`on_train_end` has waited for the background writes)."""
         found = []
         for cb in getattr(self.trainer, "callbacks", None) or []:
             path = getattr(cb, "best_file", None)
@@ -160,6 +162,10 @@ class Tracker(Callback):
         if not self.is_main_process:
             return
         start = int(getattr(self.trainer, "start_epoch", 0) or 0)
+        job = self.job_id()
+        if self.job is not None and self.job != job:   # a new run from another run's checkpoint
+            self.run_id = None
+        self.job = job
         self._guard("starting the run", lambda: self._start(start))
         self._active = not self.failed
         if start and self._active:   # resumed: the epochs before it, where the run lacks them
@@ -191,6 +197,12 @@ class Tracker(Callback):
         done = bool(getattr(trainer, "stop_training", False)) or (
             getattr(trainer, "phase", "") == "end" and int(getattr(trainer, "epoch", 0)) + 1 >= int(
                 getattr(trainer, "num_epochs", 0)))
+        try:   # the best weights file is complete once the background writes are
+            atomic.wait_for_writes()
+        except Exception:   # a failed checkpoint write: raised (never hidden in a tracker warning)
+            self._guard("ending the run", lambda: self._finish(False))
+            self._active = False
+            raise
         self._guard("ending the run", lambda: self._finish(done))
         self._active = False
 
@@ -263,12 +275,16 @@ class MLflowLogger(Tracker):
             os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
         self.client = client = MlflowClient(tracking_uri=uri)
         params = {k: _value_text(v)[:_MAX_PARAM] for k, v in self.config().items()}
-        job = self.job_id()
+        job = str(self.job)
         if self.run_id is None:   # killed before its first checkpoint: find the run by basetrainer's id
             found = self._find_run(job)
             self.run_id = found
-        if self.run_id is not None:
-            run = client.get_run(self.run_id)
+        run = self._get_run(self.run_id) if self.run_id is not None else None
+        if self.run_id is not None and run is None:
+            _logger.warning("MLflow: the store %s does not hold run %s (mlflow_uri changed?): starting a new run",
+                            uri, self.run_id)
+            self.run_id = None
+        if run is not None:
             self._resume(run, params, start_epoch)
             client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
             _logger.info("MLflow: continuing run %s at %s", self.run_id, uri)
@@ -291,6 +307,16 @@ class MLflowLogger(Tracker):
             client.log_batch(self.run_id, params=items[i:i + 100])
         client.log_batch(self.run_id, tags=[RunTag("basetrainer.log_dir", os.path.abspath(self.log_history.log_dir))])
         _logger.info("MLflow: run %s at %s", self.run_id, uri)
+
+    def _get_run(self, run_id: str) -> Any:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id)
+        except MlflowException as e:
+            if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
 
     def _find_run(self, job: str) -> Optional[str]:
         experiment = self.client.get_experiment_by_name(self.experiment or "basetrainer")
@@ -394,7 +420,7 @@ class WandbLogger(Tracker):
         folder = os.path.abspath(self.dir) if self.dir else self.folder()
         os.makedirs(folder, exist_ok=True)
         config = self.config()
-        self.run_id = self.run_id or "".join(ch for ch in self.job_id().lower() if ch.isalnum())[-32:]
+        self.run_id = self.run_id or "".join(ch for ch in str(self.job).lower() if ch.isalnum())[-32:]
         self.run = run = wandb.init(project=self.project or os.environ.get("WANDB_PROJECT") or "basetrainer",
                                     entity=self.entity, name=self.run_name or os.path.basename(self.folder()),
                                     dir=folder, mode=self.mode, tags=self.tags, id=self.run_id, resume="allow",

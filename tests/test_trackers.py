@@ -523,3 +523,25 @@ def test_config_loggers_choose_what_log_history_writes(tmp_path):
     _run(work2, [LossesRecorder(), LogHistory(str(work2 / "log"), log_freq=2)], loggers=["tensorboard"])
     names = os.listdir(work2 / "log")
     assert "history.csv" not in names and any(n.startswith("events.out.tfevents") for n in names)
+
+
+@needs_mlflow
+def test_failed_checkpoint_write_is_raised_not_hidden_by_the_tracker(tmp_path, empty_store, monkeypatch):
+    from basetrainer.callbacks.trackers import MLflowLogger
+    from basetrainer.runtime import atomic
+
+    pending = [OSError(28, "No space left on device (background write)")]
+
+    def wait_for_writes():          # like the writer: a failed write is raised once, to the first waiter
+        if pending:
+            raise pending.pop()
+
+    monkeypatch.setattr(atomic, "wait_for_writes", wait_for_writes)
+    work = tmp_path / "work"
+    _store(str(work), empty_store)
+    tracker = MLflowLogger()        # before ModelCheckpoint: it waits for the writes first
+    with pytest.raises(OSError, match="background write"):
+        _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2), tracker,
+                    ModelCheckpoint(model_dir=str(work / "model"), indicator="loss")], loggers=["csv"])
+    _, runs = _runs(work)
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"

@@ -3,6 +3,7 @@ SIGKILL + ``resume: auto``; params/config; the best model artifact; missing pack
 tracker; non-main ranks; the ``loggers`` config key."""
 import csv
 import glob
+import importlib.util
 import json
 import logging
 import os
@@ -27,12 +28,8 @@ KILL_EPOCH = 2      # the killed run logs epochs 0..2; its last checkpoint is ep
 EPOCHS = 4          # the killed run's num_epochs; the resumed run trains to EPOCHS + 1
 
 
-def _have(module):
-    try:
-        __import__(module)
-        return True
-    except ImportError:
-        return False
+def _have(module):   # without importing it (seconds, at collection of the whole suite)
+    return importlib.util.find_spec(module) is not None
 
 
 HAVE_MLFLOW, HAVE_WANDB = _have("mlflow"), _have("wandb")

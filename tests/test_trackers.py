@@ -93,7 +93,7 @@ HARNESS = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import basetrainer
     from basetrainer.engine import trainer
-    from basetrainer.callbacks import log_history, trackers
+    from basetrainer.callbacks import log_history, trackers, mlflow_logger, wandb_logger
     imported = sorted(m for m in ("mlflow", "wandb") if m in sys.modules)
     from conftest import ToyTrainer, toy_cfg
     from basetrainer.callbacks.callbacks import Callback
@@ -333,7 +333,7 @@ def _run(work, callbacks, **cfg):
 
 @needs_mlflow
 def test_mlflow_logger_in_build_callbacks_resumes_its_run(tmp_path, empty_store, caplog):
-    from basetrainer.callbacks.trackers import MLflowLogger
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
 
     work = tmp_path / "work"
     store = tmp_path / "elsewhere"
@@ -400,7 +400,7 @@ def test_failing_tracker_warns_once_and_training_finishes(tmp_path, empty_store,
 
 @needs_mlflow
 def test_unreachable_store_warns_once_and_training_finishes(tmp_path, caplog):
-    from basetrainer.callbacks.trackers import MLflowLogger
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -439,14 +439,14 @@ def test_missing_package_names_the_pip_command(monkeypatch, tmp_path, module, ex
     with pytest.raises(ImportError, match=pip.replace("[", r"\[").replace("]", r"\]")):
         LogHistory(str(tmp_path / "log"), loggers=["csv", module])
     with pytest.raises(ImportError, match="basetrainer"):
-        trackers.TRACKERS[module]()
+        trackers.tracker_class(module)()
     with pytest.raises(ImportError, match=module):        # from the config, when the run starts
         _run(tmp_path / "work", [LossesRecorder(), LogHistory(str(tmp_path / "work" / "log"))], loggers=[module])
 
 
 @needs_mlflow
 def test_non_main_process_creates_no_run(tmp_path, empty_store):
-    from basetrainer.callbacks.trackers import MLflowLogger
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
 
     work = tmp_path / "work"
     history_cb = LogHistory(str(work / "log"), log_freq=2, is_main_process=False, loggers=["mlflow", "wandb"]
@@ -463,7 +463,7 @@ def test_non_main_process_creates_no_run(tmp_path, empty_store):
 def test_tracker_without_log_history_is_an_error(tmp_path):
     if not HAVE_MLFLOW:
         pytest.skip("mlflow not installed")
-    from basetrainer.callbacks.trackers import MLflowLogger
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
 
     with pytest.raises(ValueError, match="LogHistory"):
         _run(tmp_path / "work", [LossesRecorder(), MLflowLogger()])
@@ -524,7 +524,7 @@ def test_config_loggers_choose_what_log_history_writes(tmp_path):
 
 @needs_mlflow
 def test_failed_checkpoint_write_is_raised_not_hidden_by_the_tracker(tmp_path, empty_store, monkeypatch):
-    from basetrainer.callbacks.trackers import MLflowLogger
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
     from basetrainer.runtime import atomic
 
     pending = [OSError(28, "No space left on device (background write)")]

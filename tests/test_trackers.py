@@ -313,7 +313,8 @@ def test_wandb_offline_one_run_each_epoch_once_equal_to_history_csv(killed_and_r
     assert steps[-len(after):] == after
     assert steps == sorted(set(steps)) and set(steps) <= {e * STEPS + s for e in range(EPOCHS + 1) for s in (2, 4)}
     # those before the checkpoint come from the killed process, as far as W&B wrote them to disk
-    assert steps[:-len(after)] == [r["global_step"] for r in runs[0][2] if "train_step/loss" in r][:len(steps) - len(after)]
+    killed_steps = [r["global_step"] for r in runs[0][2] if "train_step/loss" in r]
+    assert steps[:-len(after)] == killed_steps[:len(steps) - len(after)]
     # the killed process lost what W&B had not written yet; the resumed one sent the epoch rows
     # of its checkpoint again (epochs 0, 1), then what it trained
     assert [r["epoch"] for r in runs[1][2] if "epoch" in r] == list(range(EPOCHS + 1))

@@ -133,7 +133,8 @@ class MLflowLogger(Tracker):
             if key not in old:
                 new_params.append(Param(key, value))
             elif old[key] != value and key not in QUIET_KEYS:
-                tags.append(RunTag(f"config_changed.{key}", f"{value} (was {old[key]}, from epoch {start_epoch})"[:5000]))
+                text = f"{value} (was {old[key]}, from epoch {start_epoch})"
+                tags.append(RunTag(f"config_changed.{key}", text[:5000]))
         for i in range(0, len(new_params), 100):
             client.log_batch(self.run_id, params=new_params[i:i + 100])
         if tags:

@@ -105,7 +105,8 @@ class ClassificationTrainer(trainer.EngineTrainer):
                                           num_epochs=cfg.num_epochs, num_steps=self.num_steps,
                                           milestones=cfg.milestones, num_warn_up=cfg.num_warn_up),
             log_history.LogHistory(log_dir=cfg.log_root, log_freq=cfg.log_freq, logger=self.logger,
-                                   indicators=["loss", "Accuracy"], is_main_process=self.is_main_process),
+                                   indicators=["loss", "Accuracy"], is_main_process=self.is_main_process,
+                                   loggers=cfg.loggers),   # tensorboard, csv, mlflow, wandb
             model_checkpoint.ModelCheckpoint(model=self.model, optimizer=self.optimizer, model_dir=cfg.model_root,
                                              epochs=cfg.num_epochs, start_save=cfg.start_save,
                                              indicator="Accuracy", logger=self.logger),
@@ -158,6 +159,10 @@ def get_parser():
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars in a terminal or notebook (--no-progress to turn off)")
     parser.add_argument("--distributed", action="store_true", help="one process per gpu_id entry (DDP)")
+    parser.add_argument("--loggers", nargs="+", default=["tensorboard", "csv"],
+                        help="where the figures go: tensorboard csv mlflow wandb (mlflow/wandb: "
+                             "pip install \"basetrainer[mlflow]\" / \"basetrainer[wandb]\")")
+    parser.add_argument("--mlflow_uri", default="", help="MLflow tracking URI (default sqlite:///<work_dir>/mlflow.db)")
     return parser
 
 

@@ -5,8 +5,9 @@ import io
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
+from basetrainer.callbacks import trackers as tracking
 from basetrainer.callbacks.callbacks import Callback, batch_size_of
 from basetrainer.runtime import atomic, comm
 
@@ -34,6 +35,9 @@ class LogHistory(Callback):
     TensorBoard is told to purge the events written after the checkpoint (``purge_step``), so
     each epoch appears once. Step scalars go to ``<log_dir>/steps`` (their own x axis).
 
+    Experiment trackers (MLflow, Weights & Biases; :mod:`basetrainer.callbacks.trackers`) get
+    every figure it logs, at the same moments and x: the epoch rows and the step figures.
+
     Args:
         log_dir: folder for TensorBoard events, history.csv and history.png.
         log_freq: steps between lines (also how often recorders publish running figures).
@@ -41,11 +45,20 @@ class LogHistory(Callback):
         indicators: figure names to show in step lines (default: all).
         is_main_process: write anything at all (default: rank 0 only).
         tensorboard: write TensorBoard events.
+        loggers: where the figures go: names from ``tensorboard``, ``csv`` (history.csv),
+            ``mlflow``, ``wandb`` (trackers built with their defaults) and tracker objects
+            (``MLflowLogger(uri=...)``). Default (None): the trainer's config key ``loggers``
+            (default ``[tensorboard, csv]``). Trackers listed among the trainer's callbacks get
+            the figures too.
+
+    Raises:
+        ValueError: a bad ``log_freq`` or an unknown logger name.
+        ImportError: a named tracker's package is missing (the pip command is named).
     """
 
     def __init__(self, log_dir: str, log_freq: int = 50, logger: Optional[logging.Logger] = None,
                  indicators: Optional[Sequence[str]] = None, is_main_process: Optional[bool] = None,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, loggers: Optional[Sequence[Union[str, "tracking.Tracker"]]] = None) -> None:
         super().__init__()
         if not isinstance(log_freq, int) or log_freq <= 0:
             raise ValueError(f"log_freq={log_freq!r} must be a positive integer")
@@ -62,6 +75,51 @@ class LogHistory(Callback):
         self._samples_window = 0
         self._steps_done = 0
         self.step_writer: Any = None
+        self.csv = True
+        self.trackers: List[tracking.Tracker] = []   # built here from ``loggers`` (their state is ours)
+        self.sinks: List[tracking.Tracker] = []      # those and the trainer's own tracker callbacks
+        self._tracker_states: Dict[str, Any] = {}
+        self._loggers_given = loggers is not None
+        self._config_loggers: Optional[List[str]] = None
+        self._tensorboard_arg = tensorboard
+        if loggers is not None:
+            self._set_loggers(loggers)
+
+    def _set_loggers(self, loggers: Sequence[Union[str, "tracking.Tracker"]]) -> None:
+        if isinstance(loggers, str):
+            loggers = [loggers]
+        names = [x for x in loggers if isinstance(x, str)]
+        objects = [x for x in loggers if not isinstance(x, str)]
+        for x in objects:
+            if not isinstance(x, tracking.Tracker):
+                raise TypeError(f"LogHistory(loggers=...): {x!r} is neither a logger name nor a Tracker "
+                                f"(MLflowLogger, WandbLogger)")
+        built, tensorboard, csv_on = tracking.build_trackers(names)
+        self.tensorboard = self._tensorboard_arg and tensorboard
+        self.csv = csv_on
+        self.trackers = built + objects
+        override = self.__dict__.get("_is_main_process")
+        for t in self.trackers:
+            if override is not None and t.__dict__.get("_is_main_process") is None:
+                t.is_main_process = override
+
+    def set_trainer(self, trainer: Any) -> None:
+        super().set_trainer(trainer)
+        if not self._loggers_given:   # the config's loggers (a script that does not name them)
+            cfg = getattr(trainer, "cfg", None)
+            names = cfg.get("loggers") if hasattr(cfg, "get") else None
+            if names is not None and list(names) != self._config_loggers:
+                self._set_loggers(list(names))
+                self._config_loggers = list(names)
+        for t in self.trackers:
+            t.set_trainer(trainer)
+            if t.state_key in self._tracker_states:
+                t.load_state_dict(self._tracker_states.pop(t.state_key))
+        listed = [c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, tracking.Tracker)
+                  and c not in self.trackers and c.log_history in (None, self)]
+        self.sinks = self.trackers + listed
+        for t in self.sinks:
+            t.attach(self)
 
     @property
     def state_key(self) -> str:
@@ -74,10 +132,17 @@ class LogHistory(Callback):
         return sorted([p for p in names if os.path.exists(p)] + events)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"rows": [dict(r) for r in self.rows]}
+        state: Dict[str, Any] = {"rows": [dict(r) for r in self.rows]}
+        if self.trackers:
+            state["trackers"] = {t.state_key: t.state_dict() for t in self.trackers}
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.rows = [dict(r) for r in state.get("rows") or []]
+        self._tracker_states = dict(state.get("trackers") or {})
+        for t in self.trackers:
+            if t.state_key in self._tracker_states:
+                t.load_state_dict(self._tracker_states.pop(t.state_key))
 
     # ---------------------------------------------------------------- helpers
     def _shown(self, logs: dict, phase: str) -> Dict[str, float]:
@@ -120,6 +185,8 @@ class LogHistory(Callback):
             os.makedirs(self.log_dir, exist_ok=True)
             steps = len(self.trainer.train_loader) if getattr(self.trainer, "train_loader", None) is not None else 0
             self._open_writer(start, start * steps + getattr(self.trainer, "batch_in_epoch", 0) + 1)
+        for t in self.trackers:   # the trainer calls its own tracker callbacks itself
+            t.on_train_begin(logs)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._t_epoch = self._t_window = time.perf_counter()
@@ -147,12 +214,15 @@ class LogHistory(Callback):
         self.logger.info("epoch %d/%d step %d/%d %s%s | %.1f samples/s | ETA %s", trainer.epoch,
                          trainer.num_epochs, batch + 1, steps, text, f" lr: {lr:.6g}" if lr is not None else "",
                          rate, _fmt_time(eta))
+        step = trainer.epoch * steps + batch + 1
+        scalars = {f"train_step/{name}": value for name, value in figures.items()}
+        if lr is not None:
+            scalars["train_step/lr"] = lr
         if self.step_writer is not None:
-            step = trainer.epoch * steps + batch + 1
-            for name, value in figures.items():
-                self.step_writer.add_scalar(f"train_step/{name}", value, step)
-            if lr is not None:
-                self.step_writer.add_scalar("train_step/lr", lr, step)
+            for name, value in scalars.items():
+                self.step_writer.add_scalar(name, value, step)
+        for t in self.sinks:
+            t.log_step(step, scalars)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if not self.is_main_process:
@@ -171,15 +241,23 @@ class LogHistory(Callback):
                 if key != "epoch":
                     self.writer.add_scalar(key, value, epoch)
             self.writer.flush()
-        self._write_csv()
+        if self.csv:
+            self._write_csv()
+        figures = {k: v for k, v in row.items() if k != "epoch"}
+        for t in self.sinks:
+            t.log_epoch(epoch, figures, (epoch + 1) * t.steps_per_epoch())
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         for writer in (self.writer, self.step_writer):
             if writer is not None:
                 writer.close()
         self.writer = self.step_writer = None
-        if self.is_main_process and self.rows:
-            self.plot()
+        try:
+            if self.is_main_process and self.rows:
+                self.plot()
+        finally:
+            for t in self.trackers:
+                t.on_train_end(logs)
 
     # ---------------------------------------------------------------- files
     def _write_csv(self) -> None:

@@ -108,7 +108,14 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "loss_in_replica": (False, "bool", "DataParallel: each replica computes its own loss (less memory on GPU 0)"),
     "start_save": (0, "optint", "ModelCheckpoint: 0 = best + last only; N = per-epoch files from epoch N; "
                                 "None/-1 = the last 10"),
+    "loggers": (["tensorboard", "csv"], "loggers", "where LogHistory's figures go: any of tensorboard, csv "
+                                                    "(history.csv), mlflow, wandb (extras mlflow / wandb)"),
+    "mlflow_uri": ("", "optpath", "MLflow tracking URI; '' = sqlite:///<work_dir>/mlflow.db"),
 }
+
+# The names ``loggers`` accepts (LogHistory writes the first two; basetrainer.callbacks.trackers
+# has the others).
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")
 
 
 def engine_defaults() -> Config:
@@ -134,7 +141,31 @@ _CHECKS = {
              "a path, a list of paths, or null"),
     "optpath": (lambda v: v is None or v is False or isinstance(v, str), "a path, '' or null"),
     "boolpath": (lambda v: isinstance(v, (bool, str)) or v is None, "true, false or a path"),
+    "loggers": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+                f"a list of names from {list(LOGGERS)}"),
 }
+
+
+def parse_loggers(value: Any, key: str = "loggers") -> List[str]:
+    """``value`` as a list of logger names: a list, or one string (``"mlflow"``,
+    ``"tensorboard,mlflow"``); lower-cased, each once, in the order given.
+
+    Raises:
+        TypeError: not a string or a list of strings.
+        ValueError: an unknown name (the valid ones are listed).
+    """
+    if isinstance(value, str):
+        value = [v for v in value.replace(",", " ").split() if v]
+    ok, expected = _CHECKS["loggers"]
+    if not ok(value):
+        raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected}, "
+                        f"e.g. [tensorboard, csv, mlflow]")
+    names = list(dict.fromkeys(v.strip().lower() for v in value))
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise ValueError(f"config key {key!r} = {list(value)!r}: unknown logger {unknown[0]!r}; choose from "
+                         f"{list(LOGGERS)} (e.g. loggers: [tensorboard, csv, mlflow])")
+    return names
 
 
 # The rule for a learning rate, shared by the config and the builders that take one.
@@ -161,6 +192,9 @@ def validate(cfg: Any) -> None:
         value = cfg[key]
         if kind == "ints" and _is_int(value):  # gpu_id: 0 means [0]
             cfg[key] = value = [value]
+        if kind == "loggers":
+            cfg[key] = parse_loggers(value, key)
+            continue
         if kind == "number" and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
             try:
                 cfg[key] = value = float(value)

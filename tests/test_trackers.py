@@ -1,0 +1,545 @@
+"""Experiment trackers (MLflow, W&B offline): what LogHistory logs, once per epoch across a
+SIGKILL + ``resume: auto``; params/config; the best model artifact; missing packages; a failing
+tracker; non-main ranks; the ``loggers`` config key."""
+import csv
+import glob
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from basetrainer.callbacks.log_history import LogHistory
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+from basetrainer.utils import setup_config
+from conftest import ROOT, ToyTrainer, toy_cfg
+
+PY = sys.executable
+STEPS = 4           # 64 train samples / batch 16
+KILL_EPOCH = 2      # the killed run logs epochs 0..2; its last checkpoint is epoch 1's
+EPOCHS = 4          # the killed run's num_epochs; the resumed run trains to EPOCHS + 1
+
+
+def _have(module):   # without importing it (seconds, at collection of the whole suite)
+    return importlib.util.find_spec(module) is not None
+
+
+HAVE_MLFLOW, HAVE_WANDB = _have("mlflow"), _have("wandb")
+needs_mlflow = pytest.mark.skipif(not HAVE_MLFLOW, reason='mlflow not installed: pip install "basetrainer[mlflow]" '
+                                                          '(the dev extra has it)')
+needs_wandb = pytest.mark.skipif(not HAVE_WANDB, reason='wandb not installed: pip install "basetrainer[wandb]" '
+                                                        '(the dev extra has it)')
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb(tmp_path, monkeypatch):
+    """W&B never reaches the network nor the user's settings in these tests."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+
+
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory):
+    """An empty, migrated MLflow sqlite store, made once (creating one takes seconds): each test
+    copies it to its ``work_dir/mlflow.db``, the default store."""
+    if not HAVE_MLFLOW:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return str(path)
+
+
+def _store(work, empty_store):
+    os.makedirs(work, exist_ok=True)
+    shutil.copy(empty_store, os.path.join(work, "mlflow.db"))
+
+
+def _client(work):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri="sqlite:///" + os.path.join(str(work), "mlflow.db"))
+
+
+def _runs(work):
+    client = _client(work)
+    experiments = client.search_experiments()
+    return client, client.search_runs([e.experiment_id for e in experiments])
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+# ------------------------------------------------------------------------------ SIGKILL + resume
+# One interpreter imports everything once and forks a child per run (as tests/crash_harness.py):
+# the killed run, then the resumed one. Before importing the trackers' packages it reports
+# which of them the public modules imported (none may).
+HARNESS = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import basetrainer
+    from basetrainer.engine import trainer
+    from basetrainer.callbacks import log_history, trackers, mlflow_logger, wandb_logger
+    imported = sorted(m for m in ("mlflow", "wandb") if m in sys.modules)
+    from conftest import ToyTrainer, toy_cfg
+    from basetrainer.callbacks.callbacks import Callback
+    from basetrainer.callbacks.log_history import LogHistory
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+    import torch._dynamo  # noqa: F401  (the first optimizer imports it: once, here)
+    for name in {trackers_used!r}:
+        __import__(name)
+
+    class Kill(Callback):   # after LogHistory: the epoch is logged, its checkpoint not yet written
+        def __init__(self, epoch):
+            super().__init__()
+            self.at = epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == self.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def train(work, resume, kill, epochs, loggers):
+        import torch
+        torch.set_num_threads(1)
+        cfg = toy_cfg(num_epochs=epochs, batch_size=16, n_train=64, n_test=16, lr=0.1, momentum=0.9,
+                      work_dir=work, resume=resume, log_freq=2, loggers=loggers)
+        callbacks = [LossesRecorder(), LogHistory(os.path.join(work, "log"), log_freq=2), Kill(kill),
+                     ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss", async_save=False)]
+        ToyTrainer(cfg, callbacks=callbacks).run()
+
+    def fork(*args):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                train(*args)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    if __name__ == "__main__":
+        work, loggers = sys.argv[1], sys.argv[2].split(",")
+        killed = fork(work, "", {kill}, {epochs}, loggers)
+        with open(os.path.join(work, "log", "history.csv")) as f:
+            killed_csv = f.read()
+        resumed = fork(work, "auto", -1, {epochs} + 1, loggers)   # a changed key: num_epochs
+        print(json.dumps({{"imported": imported, "killed": killed, "resumed": resumed, "killed_csv": killed_csv}}))
+""")
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, empty_store):
+    """One job with every installed tracker: SIGKILLed in epoch 2's on_epoch_end (epoch 2 logged,
+    last.pth at epoch 1), then ``resume: auto`` with num_epochs 4 -> 5 (a changed key)."""
+    trackers = [name for name, have in (("mlflow", HAVE_MLFLOW), ("wandb", HAVE_WANDB)) if have]
+    if not trackers:
+        pytest.skip("neither mlflow nor wandb is installed")
+    root = tmp_path_factory.mktemp("trackers_kill")
+    script = root / "harness.py"
+    script.write_text(HARNESS.format(tests=os.path.join(ROOT, "tests"), trackers_used=trackers, kill=KILL_EPOCH,
+                                     epochs=EPOCHS))
+    work = root / "work"
+    if HAVE_MLFLOW:
+        _store(str(work), empty_store)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(root / "wandb_dir"),
+           "WANDB_CONFIG_DIR": str(root / "wandb_config"), "WANDB_CACHE_DIR": str(root / "wandb_cache")}
+    out = subprocess.run([PY, str(script), str(work), ",".join(["csv"] + trackers)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["killed"] == -signal.SIGKILL and result["resumed"] == 0, out.stderr[-3000:]
+    assert "num_epochs: 4 -> 5" in out.stderr, out.stderr[-3000:]      # it resumed, with a change
+    killed_csv = root / "killed.csv"
+    killed_csv.write_text(result["killed_csv"])
+    killed_rows = _csv(killed_csv)
+    assert [r["epoch"] for r in killed_rows] == list(range(KILL_EPOCH + 1))
+    return {"work": work, "killed_rows": killed_rows, "rows": _csv(work / "log" / "history.csv"),
+            "imported": result["imported"]}
+
+
+def test_import_basetrainer_imports_no_tracker(killed_and_resumed):
+    assert killed_and_resumed["imported"] == []
+
+
+@needs_mlflow
+def test_mlflow_one_run_each_epoch_once_equal_to_history_csv(killed_and_resumed):
+    work, rows, killed_rows = killed_and_resumed["work"], killed_and_resumed["rows"], killed_and_resumed["killed_rows"]
+    assert [r["epoch"] for r in rows] == list(range(EPOCHS + 1))
+    client, runs = _runs(work)
+    assert len(runs) == 1                        # the resume continued the killed run
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "test/loss", "epoch_time"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == list(range(EPOCHS + 1)), key   # each epoch exactly once
+        by_epoch = {m.step: m.value for m in history}
+        for row in rows:
+            epoch = int(row["epoch"])
+            if key == "epoch_time" and epoch == KILL_EPOCH:   # logged by the killed run, kept
+                assert by_epoch[epoch] == pytest.approx(killed_rows[epoch][key], rel=1e-12)
+            else:
+                assert by_epoch[epoch] == pytest.approx(row[key], rel=1e-12), (key, epoch)
+    steps = client.get_metric_history(run.info.run_id, "train_step/loss")   # every log_freq=2 steps
+    assert sorted(m.step for m in steps) == [e * STEPS + s for e in range(EPOCHS + 1) for s in (2, 4)]
+    last_of_epoch = {m.step // STEPS - 1: m.value for m in steps if m.step % STEPS == 0}
+    assert [last_of_epoch[e] for e in range(EPOCHS + 1)] == pytest.approx([r["train/loss"] for r in rows], rel=1e-6)
+
+
+@needs_mlflow
+def test_mlflow_params_are_the_config_and_a_changed_key_is_a_tag(killed_and_resumed):
+    work = killed_and_resumed["work"]
+    _, runs = _runs(work)
+    params, tags = runs[0].data.params, runs[0].data.tags
+    cfg = toy_cfg(num_epochs=EPOCHS, batch_size=16, n_train=64, n_test=16, lr=0.1, momentum=0.9, work_dir=str(work),
+                  resume="", log_freq=2, loggers=["csv"] + [n for n, h in (("mlflow", HAVE_MLFLOW),
+                                                                            ("wandb", HAVE_WANDB)) if h])
+    cfg = setup_config.with_defaults(cfg)
+    setup_config.validate(cfg)
+    expected = {k: str(v) for k, v in cfg.items()}
+    assert {k: params[k] for k in expected} == expected      # the first run's config, every key
+    assert tags["config_changed.num_epochs"] == f"{EPOCHS + 1} (was {EPOCHS}, from epoch {KILL_EPOCH})"
+    assert not any(k.startswith("config_changed.") and k != "config_changed.num_epochs" for k in tags)
+
+
+@needs_mlflow
+def test_mlflow_best_model_artifact_is_the_checkpoints_best_file(killed_and_resumed):
+    import torch
+
+    work = killed_and_resumed["work"]
+    client, runs = _runs(work)
+    best = glob.glob(str(work / "model" / "best_model_*.pth"))
+    assert len(best) == 1
+    artifacts = [a.path for a in client.list_artifacts(runs[0].info.run_id, "best_model")]
+    assert f"best_model/{os.path.basename(best[0])}" in artifacts
+    local = client.download_artifacts(runs[0].info.run_id, f"best_model/{os.path.basename(best[0])}",
+                                      str(work / "downloaded"))
+    a, b = torch.load(local, weights_only=True), torch.load(best[0], weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert os.path.isdir(work / "mlflow-artifacts")           # the local store keeps them under work_dir
+
+
+def _wandb_records(path):
+    """The records of a .wandb file (W&B's append-only log: 32 KiB blocks of chunks)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", path
+    records, buf, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk       # full / first start a record
+        if kind in (1, 4):                                   # full / last end one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+    return records
+
+
+def _wandb_runs(work):
+    """Per offline run folder, in the order written: (run id, config, history rows, artifact names)."""
+    out = []
+    for folder in sorted(glob.glob(str(work / "wandb" / "offline-run-*"))):
+        run_id, config, rows, artifacts = os.path.basename(folder).rsplit("-", 1)[1], {}, [], []
+        for record in _wandb_records(glob.glob(os.path.join(folder, "run-*.wandb"))[0]):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                assert record.run.run_id == run_id
+            elif kind == "config":
+                config.update({i.key: json.loads(i.value_json) for i in record.config.update})
+            elif kind == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            elif kind == "artifact":
+                artifacts += [e.path for e in record.artifact.manifest.contents]
+        out.append((run_id, config, rows, artifacts))
+    return out
+
+
+@needs_wandb
+def test_wandb_offline_one_run_each_epoch_once_equal_to_history_csv(killed_and_resumed):
+    work, rows, killed_rows = killed_and_resumed["work"], killed_and_resumed["rows"], killed_and_resumed["killed_rows"]
+    runs = _wandb_runs(work)
+    assert len(runs) == 2                                 # the killed process's folder, the resumed one's
+    assert runs[0][0] == runs[1][0] and runs[0][0]        # one W&B run: the resume continued it
+    # what `wandb sync` of both makes of them: W&B's steps only go forward, a row at a step the
+    # run holds already is not taken
+    merged, last = [], -1
+    for source, (_, _, history, _) in enumerate(runs):
+        for row in history:
+            if row["_step"] > last:
+                merged.append(dict(row, source=source))
+                last = row["_step"]
+    epochs = [r for r in merged if "epoch" in r]
+    assert [r["epoch"] for r in epochs] == list(range(EPOCHS + 1))           # each epoch exactly once
+    for r in epochs:
+        e = r["epoch"]
+        assert r["_step"] == (e + 1) * STEPS
+        for key in ("train/loss", "test/loss", "epoch_time"):   # as the process that logged it wrote it
+            want = (killed_rows if r["source"] == 0 else rows)[e][key]
+            assert r[key] == pytest.approx(want, rel=1e-12), (key, e)
+            assert r[key] == pytest.approx(rows[e][key], rel=1e-12 if key != "epoch_time" else 10), (key, e)
+    steps = [r["global_step"] for r in merged if "train_step/loss" in r]   # every log_freq=2 steps, once
+    after = [e * STEPS + s for e in range(KILL_EPOCH, EPOCHS + 1) for s in (2, 4)]
+    assert steps[-len(after):] == after
+    assert steps == sorted(set(steps)) and set(steps) <= {e * STEPS + s for e in range(EPOCHS + 1) for s in (2, 4)}
+    # those before the checkpoint come from the killed process, as far as W&B wrote them to disk
+    killed_steps = [r["global_step"] for r in runs[0][2] if "train_step/loss" in r]
+    assert steps[:-len(after)] == killed_steps[:len(steps) - len(after)]
+    # the killed process lost what W&B had not written yet; the resumed one sent the epoch rows
+    # of its checkpoint again (epochs 0, 1), then what it trained
+    assert [r["epoch"] for r in runs[1][2] if "epoch" in r] == list(range(EPOCHS + 1))
+    config = runs[1][1]
+    assert config["num_epochs"] == EPOCHS + 1 and config["lr"] == 0.1 and config["batch_size"] == 16
+    assert runs[0][1].get("num_epochs", EPOCHS) == EPOCHS   # (if the killed process wrote its config)
+    best = os.path.basename(glob.glob(str(work / "model" / "best_model_*.pth"))[0])
+    assert best in runs[1][3]                             # the best weights, as a model artifact
+
+
+# ------------------------------------------------------------------------------ in-process runs
+def _run(work, callbacks, **cfg):
+    cfg = toy_cfg(num_epochs=cfg.pop("num_epochs", 2), n_train=64, n_test=16, work_dir=str(work), log_freq=2, **cfg)
+    t = ToyTrainer(cfg, callbacks=callbacks)
+    return t, t.run()
+
+
+@needs_mlflow
+def test_mlflow_logger_in_build_callbacks_resumes_its_run(tmp_path, empty_store, caplog):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    work = tmp_path / "work"
+    store = tmp_path / "elsewhere"
+    _store(str(store), empty_store)
+    uri = "sqlite:///" + str(store / "mlflow.db")
+
+    def callbacks():
+        return [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2), MLflowLogger(uri=uri, experiment="exp"),
+                ModelCheckpoint(model_dir=str(work / "model"), indicator="loss", async_save=False)]
+
+    _, first = _run(work, callbacks(), loggers=["csv"])
+    import torch
+    state = torch.load(work / "model" / "last.pth", weights_only=True)
+    _, second = _run(work, callbacks(), loggers=["csv"], num_epochs=3, resume="auto")
+    client, runs = _runs(store)
+    assert len(runs) == 1 and runs[0].info.run_id == state["callbacks"]["MLflowLogger"]["run_id"]
+    assert client.get_experiment(runs[0].info.experiment_id).name == "exp"
+    history = client.get_metric_history(runs[0].info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
+        [(e, pytest.approx(v, rel=1e-12)) for e, v in enumerate(first["train/loss"] + second["train/loss"])]
+    assert not os.path.exists(work / "mlflow.db")          # uri given: nothing in work_dir
+    # resumed against a store without that run: a new run there, with the checkpoint's epochs first
+    other = tmp_path / "other"
+    _store(str(other), empty_store)
+    uri = "sqlite:///" + str(other / "mlflow.db")
+    with caplog.at_level(logging.WARNING):
+        _, third = _run(work, callbacks(), loggers=["csv"], num_epochs=4, resume="auto")
+    assert any("does not hold run" in r.getMessage() for r in caplog.records)
+    client, runs = _runs(other)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    history = client.get_metric_history(runs[0].info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
+        [(e, pytest.approx(v, rel=1e-12)) for e, v in enumerate(first["train/loss"] + second["train/loss"]
+                                                                + third["train/loss"])]
+
+
+@needs_mlflow
+def test_failing_tracker_warns_once_and_training_finishes(tmp_path, empty_store, monkeypatch, caplog):
+    from mlflow.tracking import MlflowClient
+
+    calls = []
+    real = MlflowClient.log_batch
+
+    def full_disk(self, run_id, metrics=(), params=(), tags=(), *args, **kwargs):
+        if metrics:
+            calls.append(len(metrics))
+            raise OSError(28, "No space left on device")
+        return real(self, run_id, metrics=metrics, params=params, tags=tags, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", full_disk)
+    work = tmp_path / "work"
+    _store(str(work), empty_store)
+    with caplog.at_level(logging.WARNING):
+        _, history = _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2)],
+                          loggers=["csv", "mlflow"], num_epochs=3)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "MLflowLogger" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0].getMessage()
+    assert "training goes on" in warnings[0].getMessage()
+    assert calls == [1]                                     # no further call after the failure
+    rows = _csv(work / "log" / "history.csv")
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert [r["train/loss"] for r in rows] == history["train/loss"]
+
+
+@needs_mlflow
+def test_unreachable_store_warns_once_and_training_finishes(tmp_path, caplog):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    work = tmp_path / "work"
+    with caplog.at_level(logging.WARNING):
+        _, history = _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2),
+                                 MLflowLogger(uri=f"sqlite:///{blocker}/mlflow.db")], loggers=["csv"])
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "MLflowLogger" in r.getMessage()]
+    assert len(warnings) == 1 and "starting the run" in warnings[0].getMessage()
+    assert len(history) == 2 and [r["epoch"] for r in _csv(work / "log" / "history.csv")] == [0, 1]
+
+
+@needs_wandb
+def test_failing_wandb_log_warns_once(tmp_path, monkeypatch, caplog):
+    import wandb
+
+    def broken(self, *args, **kwargs):
+        raise ConnectionError("W&B unreachable")
+
+    monkeypatch.setattr(wandb.Run, "log", broken)
+    work = tmp_path / "work"
+    with caplog.at_level(logging.WARNING):
+        _, history = _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2)],
+                          loggers=["csv", "wandb"])
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "WandbLogger" in r.getMessage()]
+    assert len(warnings) == 1 and "W&B unreachable" in warnings[0].getMessage()
+    assert len(_csv(work / "log" / "history.csv")) == 2 == len(history)
+
+
+@pytest.mark.parametrize("module,extra", [("mlflow", "mlflow"), ("wandb", "wandb")])
+def test_missing_package_names_the_pip_command(monkeypatch, tmp_path, module, extra):
+    from basetrainer.callbacks import trackers
+
+    monkeypatch.setitem(sys.modules, module, None)        # as if it were not installed
+    pip = f'pip install "basetrainer[{extra}]"'
+    with pytest.raises(ImportError, match=pip.replace("[", r"\[").replace("]", r"\]")):
+        LogHistory(str(tmp_path / "log"), loggers=["csv", module])
+    with pytest.raises(ImportError, match="basetrainer"):
+        trackers.tracker_class(module)()
+    with pytest.raises(ImportError, match=module):        # from the config, when the run starts
+        _run(tmp_path / "work", [LossesRecorder(), LogHistory(str(tmp_path / "work" / "log"))], loggers=[module])
+
+
+@needs_mlflow
+def test_non_main_process_creates_no_run(tmp_path, empty_store):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    work = tmp_path / "work"
+    history_cb = LogHistory(str(work / "log"), log_freq=2, is_main_process=False, loggers=["mlflow", "wandb"]
+                            if HAVE_WANDB else ["mlflow"])
+    listed = MLflowLogger()
+    listed.is_main_process = False
+    _, history = _run(work, [LossesRecorder(), history_cb, listed])
+    assert len(history) == 2
+    assert all(t.run_id is None and not t._active for t in history_cb.trackers + [listed])
+    assert listed.client is None
+    assert not glob.glob(str(work / "mlflow*")) and not os.path.exists(work / "wandb")
+
+
+def test_tracker_without_log_history_is_an_error(tmp_path):
+    if not HAVE_MLFLOW:
+        pytest.skip("mlflow not installed")
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    with pytest.raises(ValueError, match="LogHistory"):
+        _run(tmp_path / "work", [LossesRecorder(), MLflowLogger()])
+
+
+# ------------------------------------------------------------------------------ the config key
+@pytest.mark.parametrize("bad", [["tensorboard", "mlfow"], ["tb"], "csv,comet"])
+def test_unknown_logger_name_lists_the_valid_ones(tmp_path, bad):
+    with pytest.raises(ValueError) as e:
+        setup_config.validate(setup_config.Config(loggers=bad))
+    assert "'loggers'" in str(e.value) and "['tensorboard', 'csv', 'mlflow', 'wandb']" in str(e.value)
+    with pytest.raises(ValueError, match="choose from"):
+        ToyTrainer(toy_cfg(loggers=bad))
+    with pytest.raises(ValueError, match="choose from"):
+        LogHistory(str(tmp_path), loggers=bad if isinstance(bad, list) else [bad])
+
+
+def test_loggers_wrong_type_is_an_error():
+    with pytest.raises(TypeError, match="'loggers'"):
+        setup_config.validate(setup_config.Config(loggers=[1, 2]))
+
+
+def test_loggers_default_and_from_yaml_dict_and_flags(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import example
+
+    assert setup_config.engine_defaults().loggers == ["tensorboard", "csv"]
+    assert setup_config.engine_defaults().mlflow_uri == ""
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("loggers: [csv, MLflow]\nmlflow_uri: sqlite:////tmp/x.db\nnum_epochs: 1\n")
+    cfg = setup_config.parser_config({"config_file": str(yaml_file)})       # dict args, YAML values
+    assert cfg.loggers == ["csv", "mlflow"] and cfg.mlflow_uri == "sqlite:////tmp/x.db"
+    cfg = setup_config.parser_config({"config_file": None, "loggers": "tensorboard, wandb"})
+    assert cfg.loggers == ["tensorboard", "wandb"]
+    parser = example.get_parser()
+    argv = ["-c", str(yaml_file), "--train_data", "x", "--loggers", "wandb", "tensorboard"]
+    args = parser.parse_args(argv)
+    cfg = setup_config.parser_config(args, parser=parser, argv=argv)        # typed flag beats the YAML
+    assert cfg.loggers == ["wandb", "tensorboard"] and cfg.mlflow_uri == "sqlite:////tmp/x.db"
+    argv = ["-c", str(yaml_file), "--train_data", "x"]
+    cfg = setup_config.parser_config(parser.parse_args(argv), parser=parser, argv=argv)
+    assert cfg.loggers == ["csv", "mlflow"]                                 # the YAML beats the parser's default
+    argv = ["--config_file", str(yaml_file), "--train_data", "x", "--mlflow_uri", "http://127.0.0.1:5000"]
+    cfg = setup_config.parser_config(parser.parse_args(argv), parser=parser, argv=argv)
+    assert cfg.mlflow_uri == "http://127.0.0.1:5000"
+
+
+def test_config_loggers_choose_what_log_history_writes(tmp_path):
+    work = tmp_path / "work"
+    _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2)], loggers=["csv"])
+    assert os.listdir(work / "log") == ["history.csv"] or sorted(os.listdir(work / "log")) == [
+        "history.csv", "history.png"]                      # no TensorBoard events
+    work2 = tmp_path / "work2"
+    _run(work2, [LossesRecorder(), LogHistory(str(work2 / "log"), log_freq=2)], loggers=["tensorboard"])
+    names = os.listdir(work2 / "log")
+    assert "history.csv" not in names and any(n.startswith("events.out.tfevents") for n in names)
+
+
+@needs_mlflow
+def test_failed_checkpoint_write_is_raised_not_hidden_by_the_tracker(tmp_path, empty_store, monkeypatch):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+    from basetrainer.runtime import atomic
+
+    pending = [OSError(28, "No space left on device (background write)")]
+
+    def wait_for_writes():          # like the writer: a failed write is raised once, to the first waiter
+        if pending:
+            raise pending.pop()
+
+    monkeypatch.setattr(atomic, "wait_for_writes", wait_for_writes)
+    work = tmp_path / "work"
+    _store(str(work), empty_store)
+    tracker = MLflowLogger()        # before ModelCheckpoint: it waits for the writes first
+    with pytest.raises(OSError, match="background write"):
+        _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2), tracker,
+                    ModelCheckpoint(model_dir=str(work / "model"), indicator="loss")], loggers=["csv"])
+    _, runs = _runs(work)
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"

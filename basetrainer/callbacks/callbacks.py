@@ -202,6 +202,21 @@ def infer_mode(indicator: str) -> str:
     return "min" if any(word in name for word in ("loss", "err", "mse", "mae", "perplexity")) else "max"
 
 
+def mode_of_indicator(indicator: str, trainer: Any) -> Optional[str]:
+    """``"max"``/``"min"`` as told by the callback that writes ``indicator``'s figure: the first
+    of the trainer's callbacks whose ``mode_of(key)`` answers (e.g. a MetricRecorder, from its
+    metric's ``higher_is_better``); None when none does (the caller falls back to the name)."""
+    if not indicator or trainer is None:
+        return None
+    key = resolve_indicator(indicator, trainer)
+    for cb in getattr(trainer, "callbacks", None) or []:
+        mode_of = getattr(cb, "mode_of", None)
+        mode = mode_of(key) if callable(mode_of) else None
+        if mode in ("max", "min"):
+            return mode
+    return None
+
+
 def batch_size_of(inputs: Any) -> int:
     """Number of samples in a batch.
 

@@ -2,7 +2,7 @@
 import logging
 from typing import Any, Dict, Optional
 
-from basetrainer.callbacks.callbacks import Callback, infer_mode, resolve_indicator
+from basetrainer.callbacks.callbacks import Callback, infer_mode, mode_of_indicator, resolve_indicator
 
 _logger = logging.getLogger(__name__)
 
@@ -18,7 +18,9 @@ class EarlyStopping(Callback):
         indicator: the figure (``"loss"`` = ``test/loss`` when there is a test loader).
         patience: epochs without improvement before stopping.
         min_delta: an improvement must exceed this.
-        mode: ``"max"`` or ``"min"`` (inferred from the name when omitted: losses are min).
+        mode: ``"max"`` or ``"min"``; when omitted the recorder that writes the indicator
+            decides at ``on_train_begin`` (a MetricRecorder's ``higher_is_better``), else the
+            name (losses are min).
         logger: where the decision is logged.
     """
 
@@ -29,6 +31,7 @@ class EarlyStopping(Callback):
             raise ValueError(f"patience={patience!r} must be a positive integer number of epochs")
         if min_delta < 0:
             raise ValueError(f"min_delta={min_delta!r} must be >= 0")
+        self._mode_given = mode is not None
         mode = mode or infer_mode(indicator)
         if mode not in ("max", "min"):
             raise ValueError(f"mode={mode!r} must be 'max' or 'min'")
@@ -41,6 +44,10 @@ class EarlyStopping(Callback):
     @property
     def state_key(self) -> str:
         return f"EarlyStopping:{self.indicator}"
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if not getattr(self, "_mode_given", True):   # the recorder of the figure knows better than its name
+            self.mode = mode_of_indicator(self.indicator, self.trainer) or infer_mode(self.indicator)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         key = resolve_indicator(self.indicator, self.trainer)

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from basetrainer.callbacks.callbacks import Callback, infer_mode, resolve_indicator
+from basetrainer.callbacks.callbacks import Callback, infer_mode, mode_of_indicator, resolve_indicator
 from basetrainer.runtime import atomic
 from basetrainer.runtime.modules import unwrap_model
 
@@ -42,8 +42,10 @@ class ModelCheckpoint(Callback):
         indicator: the figure that decides "best" (``"Accuracy"`` = ``test/Accuracy`` when there
             is a test loader); "" keeps no best file.
         logger: where "saved ..." lines go.
-        mode: ``"max"`` or ``"min"``; inferred from the name when omitted (``loss``/``err`` ->
-            min). ``inverse=True`` (the original's keyword) means ``"min"``.
+        mode: ``"max"`` or ``"min"``. When omitted, the recorder that writes the indicator
+            decides at ``on_train_begin`` (a MetricRecorder's metric's ``higher_is_better``),
+            else the name (``loss``/``err`` -> min). ``inverse=True`` (the original's keyword)
+            means ``"min"``.
         keep: how many per-epoch files to keep when ``start_save`` is None or -1.
         save_freq_steps: also write ``last.pth`` every this many steps, mid-epoch (0 = off); a
             resume then continues inside the epoch, skipping the batches already trained.
@@ -68,6 +70,7 @@ class ModelCheckpoint(Callback):
         folder = model_dir or moder_dir
         if not folder:
             raise ValueError("ModelCheckpoint needs model_dir (or moder_dir): the folder for .pth files")
+        self._mode_given = mode is not None or bool(inverse)
         if mode is None:
             mode = "min" if inverse else infer_mode(indicator or "")
         if mode not in ("max", "min"):
@@ -120,6 +123,8 @@ class ModelCheckpoint(Callback):
 
     # ---------------------------------------------------------------- events
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if not getattr(self, "_mode_given", True):   # the recorder of the figure knows better than its name
+            self.mode = mode_of_indicator(self.indicator, self.trainer) or infer_mode(self.indicator or "")
         sharing = [c for c in getattr(self.trainer, "callbacks", None) or []
                    if isinstance(c, ModelCheckpoint) and os.path.abspath(c.model_dir) == os.path.abspath(self.model_dir)]
         self._tag = ""

@@ -1,0 +1,364 @@
+"""Recorders for any task: :class:`MetricRecorder` wraps a torchmetrics ``Metric`` or
+``MetricCollection``; :class:`FunctionRecorder` averages a plain function of (outputs, targets).
+
+Both write ``logs["train/<name>"]`` and ``logs["test/<name>"]`` like the built-in recorders:
+updated on the model's device with no host sync per step, the running train figure (this
+process's) read every ``log_freq`` steps, the epoch's figures reduced over every process at the
+phase end (exact for data sets that do not divide by the ranks), and the train phase's partial
+state saved in mid-epoch checkpoints. torchmetrics is imported only when a MetricRecorder is
+built.
+"""
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from basetrainer.callbacks.callbacks import Callback, batch_size_of, targets_of
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.runtime import comm
+
+PHASES = ("train", "test")
+INSTALL = 'pip install "basetrainer[metrics]"'
+
+
+def _check_phases(phases: Sequence[str]) -> Tuple[str, ...]:
+    if isinstance(phases, str):
+        phases = (phases,)
+    phases = tuple(phases)
+    if not phases or any(p not in PHASES for p in phases):
+        raise ValueError(f"phases={phases!r}: choose one or both of {PHASES}")
+    return phases
+
+
+def pick_output(outputs: Any, output_key: Optional[str]) -> Any:
+    """The tensor a metric reads from a model's outputs: ``outputs[output_key]`` of a dict
+    (default ``"out"`` when present, as torchvision's segmentation models return, else the first
+    value); the first element of a tuple or list; a tensor as it is."""
+    if isinstance(outputs, dict):
+        if output_key is not None:
+            if output_key not in outputs:
+                raise KeyError(f"output_key={output_key!r} is not in the model's outputs (keys: {sorted(outputs)}); "
+                               f"set output_key to one of them")
+            return outputs[output_key]
+        return outputs["out"] if "out" in outputs else next(iter(outputs.values()))
+    if output_key is not None:
+        raise TypeError(f"output_key={output_key!r} needs dict outputs, but the model returned a "
+                        f"{type(outputs).__name__}; leave output_key out")
+    if isinstance(outputs, (list, tuple)):
+        return outputs[0]
+    return outputs
+
+
+def pick_targets(inputs: Any, target_key: Optional[str]) -> Any:
+    """``inputs[target_key]`` of a dict batch, else :func:`targets_of` (the second part of a
+    ``(data, targets)`` batch, or a dict's ``targets``/``target``/``labels``/``label``)."""
+    if target_key is None:
+        return targets_of(inputs)
+    if not isinstance(inputs, dict):
+        raise TypeError(f"target_key={target_key!r} needs dict batches, but the batch is a {type(inputs).__name__}; "
+                        f"leave target_key out to take the batch's second part")
+    if target_key not in inputs:
+        raise KeyError(f"target_key={target_key!r} is not in the batch (keys: {sorted(inputs)}); "
+                       f"set target_key to one of them")
+    return inputs[target_key]
+
+
+def _figures(name: str, value: Any, per_class: bool) -> Dict[str, Any]:
+    """A computed value as flat figures (tensors still; read with one sync by the caller).
+
+    A scalar is ``name``; a dict gives ``name_<key>`` per entry (the rule again for each); a
+    tensor of several values (e.g. per-class IoU) gives its mean over the entries that are not
+    NaN as ``name`` and, with ``per_class``, ``name_<i>`` per entry.
+    """
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for key, v in value.items():
+            out.update(_figures(f"{name}_{key}" if name else str(key), v, per_class))
+        return out
+    if not isinstance(value, torch.Tensor):
+        return {name: value}
+    if value.numel() == 1:
+        return {name: value.reshape(())}
+    if not value.is_floating_point():   # ids or counts (e.g. a detection metric's "classes"): no figure
+        return {}
+    flat = value.reshape(-1).float()
+    out = {name: flat.nanmean()}
+    if per_class:
+        out.update({f"{name}_{i}": v for i, v in enumerate(flat)})
+    return out
+
+
+class MetricRecorder(Callback):
+    """Writes a torchmetrics metric's figure as ``logs["train/<indicator>"]`` and
+    ``logs["test/<indicator>"]``; a ``MetricCollection`` writes one figure per member,
+    ``"<phase>/<member name>"`` (the collection's prefix/postfix included).
+
+    The metric is updated on the model's device with no host sync added per step (torchmetrics'
+    own input checks may sync: build classification metrics with ``validate_args=False`` for the
+    fastest loop). The running train figure is this process's, read every ``log_freq`` steps;
+    each phase's figure is over the whole epoch and every process: the states are reduced by
+    their ``dist_reduce_fx`` once, at the phase end (torchmetrics' own sync is turned off, since
+    it is a collective inside ``compute()`` and ranks hold different numbers of test batches).
+
+    A computed value that is not one number follows one rule: a dict gives ``<name>_<key>`` per
+    entry; a tensor of several values (e.g. ``JaccardIndex(average=None)``, IoU per class) gives
+    its mean over the non-NaN entries as ``<name>`` and, with ``per_class=True``, ``<name>_<i>``.
+
+    ``higher_is_better`` (torchmetrics') tells ModelCheckpoint and EarlyStopping which way is
+    better when they are given this recorder's figure and no ``mode``.
+
+    Args:
+        metric: a ``torchmetrics.Metric`` or ``MetricCollection`` (needs ``pip install "basetrainer[metrics]"``).
+        indicator: the figure's name (default: the metric's class name); for a collection it
+            only names the recorder (its figures take the members' names).
+        phases: the phases recorded, ``"train"`` and/or ``"test"``.
+        target_key: the key of the targets in dict batches (default: the batch's second part,
+            or its ``targets``/``target``/``labels``/``label``).
+        output_key: the key of dict outputs (default ``"out"`` when present, else the first);
+            tuple or list outputs give their first element.
+        transform: ``transform(outputs, targets) -> (preds, targets)`` applied before the
+            update (e.g. ``lambda o, t: (o.argmax(1), t)``).
+        per_class: also write each entry of a value with several entries.
+
+    Example::
+
+        from torchmetrics.regression import MeanAbsoluteError
+        callbacks = [MetricRecorder(MeanAbsoluteError(), indicator="MAE"),
+                     ModelCheckpoint(model_dir=..., indicator="MAE")]   # mode "min", from the metric
+    """
+
+    def __init__(self, metric: Any, indicator: Optional[str] = None, phases: Sequence[str] = PHASES,
+                 target_key: Optional[str] = None, output_key: Optional[str] = None,
+                 transform: Optional[Callable[[Any, Any], Tuple[Any, Any]]] = None, per_class: bool = False) -> None:
+        super().__init__()
+        try:
+            import torchmetrics
+        except ImportError as e:
+            raise ImportError(f"MetricRecorder needs torchmetrics: {INSTALL}") from e
+        from basetrainer.metric import metric_states
+
+        self.collection = isinstance(metric, torchmetrics.MetricCollection)
+        if not isinstance(metric, (torchmetrics.Metric, torchmetrics.MetricCollection)):
+            raise TypeError(f"metric={metric!r} is a {type(metric).__name__}; MetricRecorder takes a torchmetrics "
+                            f"Metric or MetricCollection (for a plain function use FunctionRecorder)")
+        if indicator is None:
+            indicator = "+".join(map(str, metric.keys())) if self.collection else type(metric).__name__
+        if not isinstance(indicator, str) or not indicator.strip():
+            raise ValueError(f"indicator={indicator!r} must be a non-empty name (the figure's logs key; for a "
+                             f"collection, the recorder's name): e.g. indicator={type(metric).__name__!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform={transform!r} must be callable: transform(outputs, targets) -> (preds, targets)")
+        metric_states.check_reducible(metric)
+        self.indicator = indicator
+        self.phases = _check_phases(phases)
+        self.target_key, self.output_key, self.transform = target_key, output_key, transform
+        self.per_class = per_class
+        for _, m in metric_states.members(metric):   # no collective inside compute()/forward()
+            m.sync_on_compute = m.dist_sync_on_step = m._to_sync = False
+        self.metrics = {"train": metric, "test": metric.clone()}
+        self._partial: Optional[Dict[str, Any]] = None   # all ranks' train states so far, to save
+        self._resumed = False
+
+    @property
+    def state_key(self) -> str:
+        return f"MetricRecorder:{self.indicator}"
+
+    # ---------------------------------------------------------------- which way is better
+    @property
+    def higher_is_better(self) -> Any:
+        """torchmetrics' ``higher_is_better`` (None when it does not say); for a collection a
+        dict ``{member name: higher_is_better}``."""
+        metric = self.metrics["train"]
+        if self.collection:
+            return {str(k): getattr(m, "higher_is_better", None) for k, m in metric.items(keep_base=False, copy_state=False)}
+        return getattr(metric, "higher_is_better", None)
+
+    def mode_of(self, key: str) -> Optional[str]:
+        """``"max"``/``"min"`` for a ``logs`` key this recorder writes (``"test/MAE"``, or a
+        dict/per-class entry ``"test/MAE_..."``); None for other keys or when the metric does not say."""
+        phase, _, name = key.rpartition("/")
+        if phase not in self.phases:
+            return None
+        better = self.higher_is_better
+        table = better if isinstance(better, dict) else {self.indicator: better}
+        for published, higher in sorted(table.items(), key=lambda kv: -len(kv[0])):
+            if higher is not None and (name == published or name.startswith(published + "_")):
+                return "max" if higher else "min"
+        return None
+
+    # ---------------------------------------------------------------- figures
+    def _publish(self, phase: str, value: Any, logs: Optional[dict]) -> None:
+        if logs is None:
+            return
+        figures = _figures("" if self.collection else self.indicator, value, self.per_class)
+        if not figures:
+            return
+        tensors = [v for v in figures.values() if isinstance(v, torch.Tensor)]
+        if tensors:   # one host sync for every figure
+            device = tensors[0].device
+            numbers = iter(torch.stack([t.detach().float().to(device) for t in tensors]).tolist())
+        for key, v in figures.items():
+            logs[f"{phase}/{key}"] = next(numbers) if isinstance(v, torch.Tensor) else float(v)
+
+    def _reduced_figures(self, phase: str, logs: Optional[dict]) -> None:
+        from basetrainer.metric import metric_states
+
+        metric = self.metrics[phase]
+        if comm.get_world_size() == 1:   # the local states are the whole epoch's
+            if any(m._update_count for _, m in metric_states.members(metric)):
+                self._publish(phase, metric.compute(), logs)
+            return
+        reduced = metric_states.reduce_states(metric)   # every rank, also one that saw no batch
+        if all(part["count"] == 0 for part in reduced.values()):
+            return   # no sample (e.g. resumed at the test phase)
+        self._publish(phase, metric_states.compute_reduced(metric, reduced), logs)
+
+    def _update(self, phase: str, inputs: Any, outputs: Any) -> None:
+        preds, targets = pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key)
+        if isinstance(preds, torch.Tensor):
+            preds = preds.detach()
+        if self.transform is not None:
+            preds, targets = self.transform(preds, targets)
+        self.metrics[phase].update(preds, targets)
+
+    # ---------------------------------------------------------------- a resume inside an epoch
+    def prepare_state(self) -> None:
+        # every rank, before a checkpoint: the epoch's train states so far over all ranks
+        from basetrainer.metric import metric_states
+
+        self._partial = None
+        if "train" in self.phases and self.trainer is not None and getattr(self.trainer, "phase", None) == "train":
+            reduced = metric_states.reduce_states(self.metrics["train"])
+            if any(part["count"] for part in reduced.values()):
+                self._partial = {name: {"count": part["count"], "states": {
+                    s: ([t.cpu() for t in v] if isinstance(v, list) else v.cpu()) for s, v in part["states"].items()}}
+                    for name, part in reduced.items()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"train": self._partial} if self._partial else {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        from basetrainer.metric import metric_states
+
+        partial = state.get("train")
+        self.metrics["train"].reset()
+        if partial and comm.get_rank() == 0:   # rank 0 carries every rank's states so far
+            metric_states.load_states(self.metrics["train"], partial)
+        self._resumed = bool(partial)
+
+    # ---------------------------------------------------------------- events
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        device = getattr(self.trainer, "device", None)
+        if device is not None:
+            for metric in self.metrics.values():
+                metric.to(device)
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self._resumed:   # the resumed epoch goes on from its saved states
+            self._resumed = False
+            return
+        self.metrics["train"].reset()
+
+    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                         logs: Optional[dict] = None) -> None:
+        if "train" not in self.phases:
+            return
+        self._update("train", inputs, outputs)
+        if self.trainer is not None and self.trainer.should_log(batch):   # this rank's figure, no collective
+            self._publish("train", self.metrics["train"].compute(), logs)
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        if "train" in self.phases and (self.trainer is None or self.trainer.train_loader is not None):
+            self._reduced_figures("train", logs)
+        self.metrics["test"].reset()
+
+    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                        logs: Optional[dict] = None) -> None:
+        if "test" in self.phases:
+            self._update("test", inputs, outputs)
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        if "test" in self.phases and (self.trainer is None or self.trainer.test_loader is not None):
+            self._reduced_figures("test", logs)
+
+
+class FunctionRecorder(LossesRecorder):
+    """Writes the epoch's mean of ``fn(outputs, targets)`` as ``logs["<phase>/<indicator>"]``,
+    sample-weighted and exact over every process (no torchmetrics needed).
+
+    ``fn`` returns a tensor on the device: a scalar is the batch's mean (weighted by the batch's
+    sample count); a tensor of values (``[N]`` per sample, or ``[N, H, W]`` per pixel) counts
+    every entry as one sample. Resumable inside an epoch like LossesRecorder.
+
+    Args:
+        fn: ``fn(outputs, targets) -> tensor`` (outputs picked by ``output_key``).
+        indicator: the figure's name.
+        phases: the phases recorded, ``"train"`` and/or ``"test"``.
+        target_key: the key of the targets in dict batches (see :class:`MetricRecorder`).
+        output_key: the key of dict outputs (see :class:`MetricRecorder`).
+        higher_is_better: tells ModelCheckpoint and EarlyStopping with no ``mode`` which way
+            is better (None: the name decides).
+
+    Example::
+
+        FunctionRecorder(lambda out, y: (out - y).abs().mean(dim=1), indicator="L1")
+    """
+
+    def __init__(self, fn: Callable[[Any, Any], torch.Tensor], indicator: str, phases: Sequence[str] = PHASES,
+                 target_key: Optional[str] = None, output_key: Optional[str] = None,
+                 higher_is_better: Optional[bool] = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn={fn!r} must be callable: fn(outputs, targets) -> tensor")
+        if not isinstance(indicator, str) or not indicator.strip():
+            raise ValueError(f"indicator={indicator!r} must be a non-empty name (the figure's logs key), "
+                             f"e.g. indicator={getattr(fn, '__name__', 'score')!r}")
+        super().__init__(indicator)
+        self.fn = fn
+        self.phases = _check_phases(phases)
+        self.target_key, self.output_key = target_key, output_key
+        self.higher_is_better = higher_is_better
+
+    def mode_of(self, key: str) -> Optional[str]:
+        """``"max"``/``"min"`` for this recorder's figure when ``higher_is_better`` was given."""
+        phase, _, name = key.rpartition("/")
+        if self.higher_is_better is None or phase not in self.phases or name != self.indicator:
+            return None
+        return "max" if self.higher_is_better else "min"
+
+    def _add(self, sums: Any, inputs: Any, outputs: Any) -> None:
+        value = self.fn(pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key))
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"FunctionRecorder {self.indicator!r}: fn returned a {type(value).__name__}; it must "
+                            f"return a tensor (a batch mean, or one value per sample) on the device")
+        value = value.detach()
+        if value.dim() == 0:
+            sums.add({self.indicator: value}, batch_size_of(inputs))
+        else:
+            sums.add({self.indicator: value.sum()}, value.numel(), per_sample=False)
+
+    def prepare_state(self) -> None:
+        if "train" in self.phases:
+            super().prepare_state()
+        else:
+            self._partial = None
+
+    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                         logs: Optional[dict] = None) -> None:
+        if "train" not in self.phases:
+            return
+        self._add(self.train, inputs, outputs)
+        if self.trainer is not None and self.trainer.should_log(batch):
+            self._publish("train", self.train, logs, reduce=False)
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        if "train" in self.phases:
+            self._publish("train", self.train, logs, reduce=True)
+        self.test.reset()
+
+    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
+                        logs: Optional[dict] = None) -> None:
+        if "test" in self.phases:
+            self._add(self.test, inputs, outputs)
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        if "test" in self.phases:
+            super().on_test_end(logs)

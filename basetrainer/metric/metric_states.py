@@ -1,0 +1,177 @@
+"""The states of a torchmetrics ``Metric`` (or of each member of a ``MetricCollection``), reduced
+over every DDP rank with basetrainer's own collectives.
+
+torchmetrics can synchronise its states itself (``sync_on_compute``, ``dist_sync_on_step``), but
+its sync is a collective inside ``compute()``: every rank must call it, at the same time. Ranks
+hold different numbers of test batches (exact sharding) and the running train figure is read on
+one rank's state only, so :class:`~basetrainer.metric.metric_recorder.MetricRecorder` turns that
+sync off and calls :func:`reduce_states` once per phase end, on every rank, instead.
+
+Each state is reduced by its ``dist_reduce_fx``:
+
+- ``"sum"``: one ``all_reduce`` per dtype (integer counts stay exact);
+- ``"cat"``, and list states with no reduction: the ranks' items, rank 0's first;
+- ``"min"`` / ``"max"``: over every rank (a rank that saw no batch holds the default, which is
+  neutral); ``"mean"``: over the ranks that saw a batch (as torchmetrics does, a mean of ranks,
+  not of samples);
+- a tensor state with no reduction, or a custom callable: refused when the recorder is built
+  (:func:`check_reducible`), since no rank-count-free answer exists.
+
+A rank that saw no batch takes part all the same (its states are the defaults). torchmetrics is
+imported only when one of these functions runs.
+"""
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from basetrainer.runtime import comm
+
+# what one member's reduced state looks like: {"count": updates over all ranks, "states": {...}}
+Reduced = Dict[str, Dict[str, Any]]
+
+
+def members(metric: Any) -> List[Tuple[str, Any]]:
+    """``[(name, Metric)]``: the members of a collection (base names, compute-group states shared
+    and current), or ``[("", metric)]``."""
+    from torchmetrics import MetricCollection
+
+    if isinstance(metric, MetricCollection):
+        return list(metric.items(keep_base=True, copy_state=False))
+    return [("", metric)]
+
+
+def reduction_kinds(metric: Any) -> Dict[str, str]:
+    """``{state name: "sum" | "mean" | "min" | "max" | "cat" | "list"}`` of one Metric.
+
+    Raises:
+        ValueError: a state reduced by a custom function, or a tensor state with no reduction.
+    """
+    from torchmetrics.utilities import data
+
+    table = {data.dim_zero_sum: "sum", data.dim_zero_mean: "mean", data.dim_zero_min: "min",
+             data.dim_zero_max: "max", data.dim_zero_cat: "cat"}
+    kinds = {}
+    for name, fx in metric._reductions.items():
+        is_list = isinstance(metric._defaults[name], list)
+        kind = table.get(fx) if fx is not None else ("list" if is_list else None)
+        if kind is None:
+            how = "no dist_reduce_fx" if fx is None else f"dist_reduce_fx={getattr(fx, '__name__', fx)!r}"
+            raise ValueError(f"{type(metric).__name__}: state {name!r} has {how}; MetricRecorder reduces states "
+                             f"over ranks by 'sum', 'cat', 'min', 'max' or 'mean' (or list states with none): "
+                             f"add the state with one of those, or record this figure with a FunctionRecorder")
+        kinds[name] = "list" if kind == "cat" and is_list else kind
+    return kinds
+
+
+def check_reducible(metric: Any) -> None:
+    """Raise early (when a recorder is built) if a state cannot be reduced over ranks."""
+    for _, m in members(metric):
+        reduction_kinds(m)
+
+
+def local_states(metric: Any) -> Reduced:
+    """This rank's states, copied to the CPU (what a one-process checkpoint saves)."""
+    out: Reduced = {}
+    for name, m in members(metric):
+        out[name] = {"count": int(m._update_count),
+                     "states": {s: _to_cpu(getattr(m, s)) for s in m._defaults}}
+    return out
+
+
+def reduce_states(metric: Any) -> Reduced:
+    """Every member's states reduced over all ranks (new tensors; the metric is untouched).
+
+    A collective: every rank must call it, also one that saw no batch. Sum states come back on
+    the metric's device, the others on the CPU.
+    """
+    if comm.get_world_size() == 1:
+        return local_states(metric)
+    parts = members(metric)
+    kinds = {name: reduction_kinds(m) for name, m in parts}
+    payload = {}
+    for name, m in parts:
+        gather, shapes = {}, {}
+        for s, kind in kinds[name].items():
+            value = getattr(m, s)
+            if kind == "sum":
+                shapes[s] = tuple(value.shape)
+            elif kind == "list" and m._reductions[s] is not None and len(value) > 1:
+                gather[s] = [torch.cat([v.reshape(-1, *v.shape[1:]) if v.dim() else v.reshape(1)
+                                        for v in value]).cpu()]   # "cat": one tensor, as torchmetrics does
+            else:
+                gather[s] = _to_cpu(value)
+        payload[name] = {"count": int(m._update_count), "shapes": shapes, "gather": gather}
+    ranks = comm.all_gather_object(payload)   # every rank's counts, shapes and non-sum states
+
+    sums: Dict[torch.dtype, List[Tuple[str, str, torch.Tensor]]] = {}
+    out: Reduced = {}
+    for name, m in parts:
+        counts = [r[name]["count"] for r in ranks]
+        seen = [r for r, c in zip(ranks, counts) if c > 0] or ranks
+        states: Dict[str, Any] = {}
+        for s, kind in kinds[name].items():
+            if kind == "sum":
+                value = getattr(m, s)
+                agreed = {r[name]["shapes"][s] for r in seen}
+                if len(agreed) > 1:
+                    raise ValueError(f"{type(m).__name__}: state {s!r} has shapes {sorted(agreed)} on different ranks; "
+                                     f"a summed state needs one shape (set the metric's num_classes)")
+                shape = agreed.pop()
+                if tuple(value.shape) != shape:   # this rank saw no batch: its default adds nothing
+                    value = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                sums.setdefault(value.dtype, []).append((name, s, value))
+                continue
+            values = [r[name]["gather"][s] for r in (ranks if kind in ("list", "min", "max") else seen)]
+            if kind == "list":
+                states[s] = [t for v in values for t in v]
+            elif kind == "cat":
+                states[s] = torch.cat([v.reshape(-1, *v.shape[1:]) if v.dim() else v.reshape(1) for v in values])
+            elif kind == "min":
+                states[s] = torch.stack(values).amin(dim=0)
+            elif kind == "max":
+                states[s] = torch.stack(values).amax(dim=0)
+            else:  # mean of the ranks that saw a batch
+                states[s] = torch.stack(values).float().mean(dim=0).to(values[0].dtype)
+        out[name] = {"count": sum(counts), "states": states}
+    for dtype, items in sorted(sums.items(), key=lambda kv: str(kv[0])):   # the same order on every rank
+        packed = comm.all_reduce_sum(torch.cat([v.reshape(-1) for _, _, v in items]))
+        offset = 0
+        for name, s, v in items:
+            out[name]["states"][s] = packed[offset: offset + v.numel()].reshape(v.shape)
+            offset += v.numel()
+    return out
+
+
+def load_states(metric: Any, reduced: Reduced) -> None:
+    """Set every member's states (and update count) from ``reduced``, on the metric's device."""
+    for name, m in members(metric):
+        part = reduced.get(name)
+        if part is None:
+            raise KeyError(f"saved metric states have no member {name!r} (members saved: {sorted(reduced)}); "
+                           f"the recorder's metric changed since the checkpoint")
+        device = m.device
+        for s in m._defaults:
+            value = part["states"][s]
+            if isinstance(value, list):
+                setattr(m, s, [t.to(device) for t in value])
+            else:
+                setattr(m, s, value.to(device))
+        m._update_count = int(part["count"])
+        m._computed = None
+
+
+def compute_reduced(metric: Any, reduced: Reduced) -> Any:
+    """``metric.compute()`` on a copy that holds ``reduced`` (the live states stay as they are)."""
+    import copy
+
+    twin = copy.deepcopy(metric)
+    load_states(twin, reduced)
+    for _, m in members(twin):   # the states are reduced already: no second (collective) sync
+        m.sync_on_compute = m._to_sync = False
+    return twin.compute()
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, list):
+        return [t.detach().cpu().clone() for t in value]
+    return value.detach().cpu().clone()

@@ -1,0 +1,339 @@
+"""MetricRecorder (torchmetrics) and FunctionRecorder: figures on hand-made tensors, DDP equal to
+one process on data that does not divide, a resume inside an epoch, dict batches and outputs,
+the checkpoint mode told by the metric, and no optional import at ``import basetrainer``."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.callbacks.early_stopping import EarlyStopping
+from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+from basetrainer.metric import metric_states
+from basetrainer.metric.metric_recorder import FunctionRecorder, MetricRecorder
+from basetrainer.runtime import comm
+
+from conftest import ROOT, ToyTrainer, run_distributed, toy_cfg
+
+tm = pytest.importorskip("torchmetrics")
+from torchmetrics import MetricCollection  # noqa: E402
+from torchmetrics.aggregation import CatMetric, MaxMetric, MeanMetric, MinMetric  # noqa: E402
+from torchmetrics.classification import (MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score,  # noqa: E402
+                                         MulticlassJaccardIndex)
+from torchmetrics.regression import ExplainedVariance, MeanAbsoluteError  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- toys
+def noisy_blobs(n, seed, num_classes=4, dim=16):
+    """Overlapping blobs: a tiny model gets some wrong, so every figure is a real fraction."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_classes, dim, generator=torch.Generator().manual_seed(1234))
+    y = torch.arange(n) % num_classes
+    return TensorDataset(centres[y] + 1.5 * torch.randn(n, dim, generator=g), y)
+
+
+class NoisyTrainer(ToyTrainer):
+    def build_train_loader(self, cfg, **kwargs):
+        return self.build_dataloader(noisy_blobs(cfg.n_train, 0), cfg.batch_size, 0, phase="train", shuffle=True)
+
+    def build_test_loader(self, cfg, **kwargs):
+        return self.build_dataloader(noisy_blobs(cfg.n_test, 1), cfg.batch_size, 0, phase="test", shuffle=False)
+
+
+def logit0_vs_label(outputs, targets):
+    """A regression-shaped pair for MeanAbsoluteError: the first logit against the label."""
+    return outputs[:, 0], targets.float()
+
+
+def recorders():
+    return [MetricRecorder(MeanAbsoluteError(), "MAE", transform=logit0_vs_label),
+            MetricRecorder(MulticlassJaccardIndex(4), "IoU"),
+            MetricRecorder(MetricCollection({"acc": MulticlassAccuracy(4, average="micro"),
+                                             "f1": MulticlassF1Score(4, average="macro"),
+                                             "auroc": MulticlassAUROC(4)}), "cls"),   # "cat" states
+            FunctionRecorder(lambda out, y: (out.argmax(1) == y).float(), "hit"),       # per sample
+            FunctionRecorder(lambda out, y: nn.functional.cross_entropy(out, y), "ce")]  # batch mean
+
+
+FIGURES = ["MAE", "IoU", "acc", "f1", "auroc", "hit", "ce"]
+
+
+def fake_trainer(log=False, test=True):
+    return SimpleNamespace(train_loader=object(), test_loader=object() if test else None,
+                           should_log=lambda batch: log, model=None, device=torch.device("cpu"))
+
+
+def feed(rec, phase, batches, trainer=None):
+    """One phase of ``rec`` over ``batches`` = [(inputs, outputs), ...]; returns the logs."""
+    rec.set_trainer(trainer or fake_trainer())
+    logs = {}
+    rec.on_train_begin(logs)
+    rec.on_epoch_begin(0, logs)
+    for b, (inputs, outputs) in enumerate(batches):
+        if phase == "train":
+            rec.on_train_summary(inputs, outputs, None, 0, b, logs)
+    rec.on_test_begin(logs)
+    for b, (inputs, outputs) in enumerate(batches):
+        if phase == "test":
+            rec.on_test_summary(inputs, outputs, None, 0, b, logs)
+    rec.on_test_end(logs)
+    return logs
+
+
+# ----------------------------------------------------------------------------- figures on tensors
+def test_figures_equal_torchmetrics_on_the_whole_data_and_phases_restrict():
+    g = torch.Generator().manual_seed(0)
+    batches = [((torch.zeros(n, 2), torch.randint(0, 3, (n,), generator=g)), torch.randn(n, 3, generator=g))
+               for n in (5, 3, 7)]
+    preds = torch.cat([o for _, o in batches])
+    targets = torch.cat([i[1] for i, _ in batches])
+    iou = MulticlassJaccardIndex(3)(preds, targets).item()
+    per_class = MulticlassJaccardIndex(3, average=None)(preds, targets)
+    logs = feed(MetricRecorder(MulticlassJaccardIndex(3), "IoU", phases=("test",)), "test", batches)
+    assert logs == {"test/IoU": pytest.approx(iou, rel=1e-6)}
+    logs = feed(MetricRecorder(MulticlassJaccardIndex(3, average=None), "IoU", per_class=True), "train", batches)
+    assert set(logs) == {"train/IoU", "train/IoU_0", "train/IoU_1", "train/IoU_2"}   # the rule for several values
+    assert logs["train/IoU"] == pytest.approx(per_class.mean().item(), rel=1e-6)
+    assert logs["train/IoU_1"] == pytest.approx(per_class[1].item(), rel=1e-6)
+    logs = feed(MetricRecorder(MulticlassJaccardIndex(3), "IoU", phases="train"), "test", batches)
+    assert logs == {}   # "train" only: the test phase writes nothing
+
+
+def test_function_recorder_weights_scalars_by_batch_size_and_per_sample_values_by_count():
+    batches = [((torch.zeros(3, 2), torch.tensor([1.0, 2.0, 3.0])), torch.zeros(3)),
+               ((torch.zeros(1, 2), torch.tensor([10.0])), torch.zeros(1))]
+    per_sample = feed(FunctionRecorder(lambda o, t: (t - o).abs(), "L1"), "test", batches)
+    batch_mean = feed(FunctionRecorder(lambda o, t: (t - o).abs().mean(), "L1"), "test", batches)
+    assert per_sample["test/L1"] == pytest.approx(16 / 4)     # not the mean of batch means, (2 + 10) / 2
+    assert batch_mean["test/L1"] == pytest.approx(16 / 4)
+
+
+def test_running_train_figure_at_log_points_is_this_ranks_and_a_new_epoch_starts_from_zero():
+    rec = MetricRecorder(MeanAbsoluteError(), "MAE")
+    rec.set_trainer(fake_trainer(log=False))
+    logs = {}
+    rec.on_train_begin(logs)
+    rec.on_epoch_begin(0, logs)
+    rec.on_train_summary((torch.zeros(2, 1), torch.tensor([1.0, 3.0])), torch.zeros(2), None, 0, 0, logs)
+    assert "train/MAE" not in logs
+    rec.trainer.should_log = lambda batch: True
+    rec.on_train_summary((torch.zeros(1, 1), torch.tensor([5.0])), torch.zeros(1), None, 0, 1, logs)
+    assert logs["train/MAE"] == pytest.approx(3.0)
+    rec.on_epoch_begin(1, logs)
+    rec.on_train_summary((torch.zeros(1, 1), torch.tensor([1.0])), torch.zeros(1), None, 1, 0, logs)
+    assert logs["train/MAE"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- dict batches, dict outputs
+def test_dict_batches_with_target_key_and_segmentation_dict_outputs():
+    g = torch.Generator().manual_seed(1)
+    out = {"aux": torch.randn(2, 3, 4, 4, generator=g), "out": torch.randn(2, 3, 4, 4, generator=g)}
+    batch = {"image": torch.zeros(2, 1, 4, 4), "mask": torch.randint(0, 3, (2, 4, 4), generator=g)}
+    logs = feed(MetricRecorder(MulticlassJaccardIndex(3), "mIoU", target_key="mask"), "test", [(batch, out)])
+    assert logs["test/mIoU"] == pytest.approx(MulticlassJaccardIndex(3)(out["out"], batch["mask"]).item(), rel=1e-6)
+    logs = feed(MetricRecorder(MulticlassJaccardIndex(3), "mIoU", target_key="mask", output_key="aux"),
+                "test", [(batch, out)])
+    assert logs["test/mIoU"] == pytest.approx(MulticlassJaccardIndex(3)(out["aux"], batch["mask"]).item(), rel=1e-6)
+    logs = feed(FunctionRecorder(lambda o, t: (o.argmax(1) == t).float(), "pix", target_key="mask"),
+                "test", [(batch, out)])
+    assert logs["test/pix"] == pytest.approx((out["out"].argmax(1) == batch["mask"]).float().mean().item())
+    # a tuple output gives its first element
+    logs = feed(MetricRecorder(MulticlassJaccardIndex(3), "mIoU", target_key="mask"), "test",
+                [(batch, (out["aux"], out["out"]))])
+    assert logs["test/mIoU"] == pytest.approx(MulticlassJaccardIndex(3)(out["aux"], batch["mask"]).item(), rel=1e-6)
+
+
+def test_bad_input_is_an_early_error_naming_the_argument_and_the_fix():
+    with pytest.raises(TypeError, match="metric=.*torchmetrics Metric or MetricCollection.*FunctionRecorder"):
+        MetricRecorder(lambda o, t: o, "x")
+    with pytest.raises(ValueError, match=r"phases=\('val',\).*'train', 'test'"):
+        MetricRecorder(MeanAbsoluteError(), "MAE", phases=("val",))
+    with pytest.raises(ValueError, match="indicator=''.*non-empty"):
+        MetricRecorder(MetricCollection([MeanAbsoluteError()]), "")
+    with pytest.raises(ValueError, match="indicator=''"):
+        FunctionRecorder(lambda o, t: o, "")
+    batch = {"image": torch.zeros(2, 1), "mask": torch.zeros(2)}
+    with pytest.raises(KeyError, match=r"target_key='label'.*\['image', 'mask'\].*set target_key"):
+        feed(MetricRecorder(MeanAbsoluteError(), "MAE", target_key="label"), "test", [(batch, torch.zeros(2))])
+    with pytest.raises(KeyError, match=r"output_key='logits'.*\['aux', 'out'\]"):
+        feed(MetricRecorder(MeanAbsoluteError(), "MAE", output_key="logits"), "test",
+             [((torch.zeros(2), torch.zeros(2)), {"out": torch.zeros(2), "aux": torch.zeros(2)})])
+
+    class Custom(tm.Metric):
+        def __init__(self):
+            super().__init__()
+            self.add_state("x", torch.zeros(()), dist_reduce_fx=lambda t: t.prod(0))
+
+        def update(self, p, t):
+            pass
+
+        def compute(self):
+            return self.x
+    with pytest.raises(ValueError, match="state 'x' has dist_reduce_fx=.*'sum', 'cat', 'min', 'max' or 'mean'"):
+        MetricRecorder(Custom(), "custom")
+
+
+def test_import_of_basetrainer_imports_no_optional_package_and_a_missing_torchmetrics_says_what_to_install():
+    code = ("import sys, basetrainer\nfrom basetrainer.engine import trainer\n"
+            "from basetrainer.metric import metric_recorder\n"
+            "print(sorted(m for m in ('torchmetrics', 'mlflow', 'wandb') if m in sys.modules))\n"
+            "sys.modules['torchmetrics'] = None   # as if not installed\n"
+            "try:\n    metric_recorder.MetricRecorder(object(), 'x')\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported, error = out.stdout.strip().splitlines()
+    assert imported == "[]"
+    assert 'pip install "basetrainer[metrics]"' in error
+
+
+# ----------------------------------------------------------------------------- the mode of "best"
+def test_checkpoint_and_early_stopping_take_the_mode_from_the_metric(tmp_path):
+    # "score" reads as "max" by its name; MeanAbsoluteError says lower is better
+    checkpoints = [ModelCheckpoint(model_dir=str(tmp_path / "a"), indicator="score", start_save=0),
+                   ModelCheckpoint(model_dir=str(tmp_path / "b"), indicator="MAE", start_save=0),
+                   ModelCheckpoint(model_dir=str(tmp_path / "c"), indicator="score", start_save=0, mode="max"),
+                   ModelCheckpoint(model_dir=str(tmp_path / "d"), indicator="err_rate", start_save=0)]
+    stops = [EarlyStopping("score", patience=10), EarlyStopping("test/err_rate", patience=10)]
+    assert [c.mode for c in checkpoints] == ["max", "min", "max", "min"]   # the name rule, before the run
+    recs = [MetricRecorder(MeanAbsoluteError(), "score", transform=logit0_vs_label),
+            MetricRecorder(MeanAbsoluteError(), "MAE", transform=logit0_vs_label),
+            MetricRecorder(MulticlassAccuracy(4), "err_rate")]   # a name the rule gets wrong: max
+    t = NoisyTrainer(toy_cfg(n_train=64, n_test=32, num_epochs=3, lr=0.05), callbacks=recs + checkpoints + stops)
+    history = t.run()
+    assert [c.mode for c in checkpoints] == ["min", "min", "max", "max"]   # an explicit mode wins
+    assert [s.mode for s in stops] == ["min", "max"]
+    scores = history["test/score"]
+    assert len(set(scores)) == 3
+    assert checkpoints[0].best == min(scores) and checkpoints[2].best == max(scores)
+    assert stops[0].best == min(scores)
+    assert checkpoints[3].best == max(history["test/err_rate"])
+
+
+# ----------------------------------------------------------------------------- exact over DDP ranks, resume
+# One 2-rank launch does all the distributed work of this file (each spawned process pays seconds
+# of imports); the tests below read its results.
+def _train(work, extra=(), resume=""):
+    # 101 samples, global batch 20: each rank trains 50 or 51 samples (its last step holds one
+    # sample or none) and tests 51 or 50 samples in 6 or 5 batches of 10
+    cfg = toy_cfg(n_train=101, n_test=101, batch_size=20, num_epochs=2, lr=0.05, work_dir=work, resume=resume,
+                  distributed=comm.get_world_size() > 1)
+    ckpt = ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="MAE", save_freq_steps=1, async_save=False)
+    return NoisyTrainer(cfg, callbacks=recorders() + [ckpt, *extra]).run().epochs
+
+
+class Running(Callback):
+    """The running train figure this rank published at each log step (before the phase end)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = []
+
+    def on_batch_end(self, batch, logs=None):
+        if self.trainer.should_log(batch):
+            self.values.append(logs["train/MAE"])
+
+
+class StopAt(Callback):
+    """Raises after step ``batch`` of ``epoch`` (after the step's checkpoint), like a crash."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_batch_end(self, batch, logs=None):
+        if (self.trainer.epoch, batch) == self.at:
+            raise RuntimeError("stopped on purpose")
+
+
+def _reduce_kinds(rank):
+    """Every kind of state, with rank 1 seeing no batch of the "lonely" metric."""
+    metrics = {"max": MaxMetric(sync_on_compute=False), "min": MinMetric(sync_on_compute=False),
+               "mean": MeanMetric(sync_on_compute=False), "cat": CatMetric(sync_on_compute=False)}
+    values = torch.tensor([[3.0, -1.0, 2.0], [7.0, 0.5, -4.0]])
+    for m in metrics.values():
+        if rank == 0 or comm.get_world_size() == 1:
+            m.update(values[0])
+        if rank == 1 or comm.get_world_size() == 1:
+            m.update(values[1])
+    # only rank 0 (or the one process) sees a batch; ExplainedVariance's summed states start as
+    # scalars and take the shape [outputs] at the first update, so rank 1's stay scalars
+    lonely = ExplainedVariance(multioutput="raw_values", sync_on_compute=False)
+    if rank == 0:
+        lonely.update(torch.tensor([[1.0, 0.0], [2.0, 1.0], [4.0, 1.0]]), torch.tensor([[1.0, 1.0], [3.0, 0.0], [4.0, 2.0]]))
+    out = {k: metric_states.compute_reduced(m, metric_states.reduce_states(m)) for k, m in metrics.items()}
+    out["lonely"] = metric_states.compute_reduced(lonely, metric_states.reduce_states(lonely)).tolist()
+    out["local_max"] = metrics["max"].compute()   # the local state stays this rank's
+    return out
+
+
+def _everything(rank, work):
+    running = Running()
+    full = _train(os.path.join(work, "full"), [running])
+    try:
+        _train(os.path.join(work, "cut"), [StopAt(1, 2)])
+    except RuntimeError as e:
+        assert "stopped on purpose" in str(e)
+    comm.synchronize()   # rank 0 has written the step's last.pth
+    state = torch.load(os.path.join(work, "cut", "model", "last.pth"), weights_only=True)
+    resumed = _train(os.path.join(work, "cut"), resume="auto")
+    return {"full": full, "resumed": resumed, "saved": (state["epoch"], state["phase"], state["batch"]),
+            "kinds": _reduce_kinds(rank), "running": running.values}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _everything(0, str(tmp_path_factory.mktemp("single")))
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ddp")
+    return run_distributed(_everything, 2, work, str(work), timeout=300)
+
+
+def _assert_same(one, two):
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        assert set(a) == set(b)
+        for phase in ("train", "test"):
+            for name in FIGURES:
+                key = f"{phase}/{name}"
+                if name in ("acc", "IoU", "f1"):   # from integer states: exactly
+                    assert b[key] == a[key], key
+                else:
+                    assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
+
+
+def test_ddp_figures_equal_one_process_on_101_samples(single, ddp):
+    for rank in ddp:   # every rank holds the reduced figures
+        _assert_same(single["full"], rank["full"])
+    # the running train figure is each rank's own (no collective in the loop): the ranks' differ
+    assert len(ddp[0]["running"]) == len(ddp[1]["running"]) == 6
+    assert all(a != b for a, b in zip(ddp[0]["running"], ddp[1]["running"]))
+    last = single["full"][-1]
+    assert 0.2 < last["test/acc"] < 0.95 and 0.2 < last["train/hit"] < 0.95 and last["test/MAE"] > 0   # real figures
+
+
+def test_states_reduce_by_their_kind_also_with_a_rank_that_saw_nothing(single, ddp):
+    one = single["kinds"]
+    assert (float(one["max"]), float(one["min"])) == (7.0, -4.0)
+    assert one["lonely"] == pytest.approx([6 / 7, -1 / 3], rel=1e-6)   # by hand
+    for r, rank in enumerate(ddp):
+        out = rank["kinds"]
+        for key in ("max", "min", "mean"):
+            assert float(out[key]) == pytest.approx(float(one[key]), rel=1e-6), key
+        assert out["lonely"] == pytest.approx(one["lonely"], rel=1e-6)
+        assert sorted(out["cat"].tolist()) == sorted(one["cat"].tolist())
+        assert float(out["local_max"]) == (3.0 if r == 0 else 7.0)
+
+
+def test_a_resume_inside_an_epoch_gives_the_uninterrupted_figures(single, ddp):
+    for run in [single, *ddp]:
+        assert run["saved"] == (1, "train", 3)       # stopped after 3 of the 6 steps of epoch 1
+        assert [r["epoch"] for r in run["resumed"]] == [1]
+        _assert_same(run["full"][1:], run["resumed"])   # the resumed epoch's train figures count every step once

@@ -158,7 +158,8 @@ def _at_least(kind: type, name: str, low: float) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--{name} must be a {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"--{name} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"--{name} must be >= {low}, got {text!r}")
         return value

@@ -198,15 +198,16 @@ class SegmentationTrainer(trainer.EngineTrainer):
         k = cfg.num_classes
         return [
             multi_losses_recorder.MultiLossesRecorder(indicator="loss"),     # train/main, train/aux, train/loss
-            MetricRecorder(MulticlassJaccardIndex(num_classes=k, average=None), indicator="IoU", target_key="mask"),
-            MetricRecorder(MulticlassJaccardIndex(num_classes=k, average="macro"), indicator="mIoU", target_key="mask"),
+            # IoU of each class as test/IoU_<i> (per_class) and their mean, the mean IoU, as test/IoU
+            MetricRecorder(MulticlassJaccardIndex(num_classes=k, average=None, validate_args=False), indicator="IoU",
+                           target_key="mask", per_class=True),
             build_scheduler.get_scheduler(cfg.scheduler, optimizer=self.optimizer, lr_init=cfg.lr,
                                           num_epochs=cfg.num_epochs, num_steps=self.num_steps,
                                           milestones=cfg.milestones, num_warn_up=cfg.num_warn_up),
             log_history.LogHistory(log_dir=cfg.log_root, log_freq=cfg.log_freq, logger=self.logger,
-                                   indicators=["loss", "aux", "mIoU"], is_main_process=self.is_main_process),
+                                   indicators=["loss", "aux", "IoU"], is_main_process=self.is_main_process),
             model_checkpoint.ModelCheckpoint(model=self.model, optimizer=self.optimizer, model_dir=cfg.model_root,
-                                             epochs=cfg.num_epochs, indicator="mIoU", logger=self.logger),
+                                             epochs=cfg.num_epochs, indicator="IoU", logger=self.logger),
         ]
 
 
@@ -222,12 +223,12 @@ def main(cfg: Any) -> Any:
     t = SegmentationTrainer(cfg)
     history = t.run()
     if t.is_main_process and history.last is not None:
-        phase = "test" if "test/mIoU" in history.last else "train"
+        phase = "test" if "test/IoU" in history.last else "train"
         ious = per_class_iou(history.last, phase)
-        best = max(v for v in history[f"{phase}/mIoU"] if v is not None)
+        best = max(v for v in history[f"{phase}/IoU"] if v is not None)
         shapes = [ious[c] for c in CLASSES[1:]]
         print(f"final {phase}/IoU: " + ", ".join(f"{c} {v:.4f}" for c, v in ious.items())
-              + f"; min over shapes {min(shapes):.4f}; mIoU {history.last[f'{phase}/mIoU']:.4f} (best {best:.4f}) "
+              + f"; min over shapes {min(shapes):.4f}; mean IoU {history.last[f'{phase}/IoU']:.4f} (best {best:.4f}) "
               f"after {len(history)} epochs in {time.perf_counter() - start:.1f} s; work_dir: {cfg.work_dir}",
               flush=True)
     return history
@@ -238,7 +239,8 @@ def _positive(kind: type, name: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--{name} must be a {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"--{name} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"--{name} must be > 0, got {text!r}")
         return value

@@ -12,54 +12,12 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from basetrainer.callbacks.callbacks import Callback, batch_size_of, targets_of
+from basetrainer.callbacks.callbacks import Callback, batch_size_of
 from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.metric.recorder_inputs import PHASES, check_phases, pick_output, pick_targets
 from basetrainer.runtime import comm
 
-PHASES = ("train", "test")
 INSTALL = 'pip install "basetrainer[metrics]"'
-
-
-def _check_phases(phases: Sequence[str]) -> Tuple[str, ...]:
-    if isinstance(phases, str):
-        phases = (phases,)
-    phases = tuple(phases)
-    if not phases or any(p not in PHASES for p in phases):
-        raise ValueError(f"phases={phases!r}: choose one or both of {PHASES}")
-    return phases
-
-
-def pick_output(outputs: Any, output_key: Optional[str]) -> Any:
-    """The tensor a metric reads from a model's outputs: ``outputs[output_key]`` of a dict
-    (default ``"out"`` when present, as torchvision's segmentation models return, else the first
-    value); the first element of a tuple or list; a tensor as it is."""
-    if isinstance(outputs, dict):
-        if output_key is not None:
-            if output_key not in outputs:
-                raise KeyError(f"output_key={output_key!r} is not in the model's outputs (keys: {sorted(outputs)}); "
-                               f"set output_key to one of them")
-            return outputs[output_key]
-        return outputs["out"] if "out" in outputs else next(iter(outputs.values()))
-    if output_key is not None:
-        raise TypeError(f"output_key={output_key!r} needs dict outputs, but the model returned a "
-                        f"{type(outputs).__name__}; leave output_key out")
-    if isinstance(outputs, (list, tuple)):
-        return outputs[0]
-    return outputs
-
-
-def pick_targets(inputs: Any, target_key: Optional[str]) -> Any:
-    """``inputs[target_key]`` of a dict batch, else :func:`targets_of` (the second part of a
-    ``(data, targets)`` batch, or a dict's ``targets``/``target``/``labels``/``label``)."""
-    if target_key is None:
-        return targets_of(inputs)
-    if not isinstance(inputs, dict):
-        raise TypeError(f"target_key={target_key!r} needs dict batches, but the batch is a {type(inputs).__name__}; "
-                        f"leave target_key out to take the batch's second part")
-    if target_key not in inputs:
-        raise KeyError(f"target_key={target_key!r} is not in the batch (keys: {sorted(inputs)}); "
-                       f"set target_key to one of them")
-    return inputs[target_key]
 
 
 def _figures(name: str, value: Any, per_class: bool) -> Dict[str, Any]:
@@ -149,7 +107,7 @@ class MetricRecorder(Callback):
             raise TypeError(f"transform={transform!r} must be callable: transform(outputs, targets) -> (preds, targets)")
         metric_states.check_reducible(metric)
         self.indicator = indicator
-        self.phases = _check_phases(phases)
+        self.phases = check_phases(phases)
         self.target_key, self.output_key, self.transform = target_key, output_key, transform
         self.per_class = per_class
         for _, m in metric_states.members(metric):   # no collective inside compute()/forward()
@@ -313,7 +271,7 @@ class FunctionRecorder(LossesRecorder):
                              f"e.g. indicator={getattr(fn, '__name__', 'score')!r}")
         super().__init__(indicator)
         self.fn = fn
-        self.phases = _check_phases(phases)
+        self.phases = check_phases(phases)
         self.target_key, self.output_key = target_key, output_key
         self.higher_is_better = higher_is_better
 

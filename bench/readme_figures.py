@@ -1,10 +1,12 @@
 """Re-measure the figures README.md quotes: setup time, the digits example (accuracy, time, disk
-use, output) and the test suite (count, time), with the machine they were measured on.
+use, output), the segmentation and regression examples (per-class IoU; R², MAE and the linear
+baseline; times) and the test suite (count, time), with the machine they were measured on.
 
 Usage, from the root of a checkout (best a fresh clone, so setup.sh really installs)::
 
     python3 bench/readme_figures.py                    # everything, ~10 min on 2 CPU cores
-    python3 bench/readme_figures.py --skip-tests       # setup + the example only
+    python3 bench/readme_figures.py --skip-tests       # setup + the examples only
+    python3 bench/readme_figures.py --skip-setup --skip-example --skip-tests   # segmentation + regression only
     python3 bench/readme_figures.py --out docs         # also write docs/figures.md
 
 Only the standard library is used here: the script runs ``./setup.sh`` first (timed; a no-op on
@@ -106,6 +108,41 @@ def run_example(work_dir: str, extra: List[str]) -> Dict[str, Any]:
             "longest_line": max((len(line) for line in (out + "\n" + err).split("\n")), default=0)}
 
 
+def run_task_examples(work_root: str) -> Dict[str, Any]:
+    """examples/segmentation.py and examples/regression.py with their defaults (full runs), timed."""
+    out: Dict[str, Any] = {}
+    seg = timed([PY, "examples/segmentation.py", "--no-progress", "--work_dir", os.path.join(work_root, "shapes")])
+    text = seg["stdout"].decode(errors="replace")
+    if seg["code"]:
+        raise SystemExit(f"the segmentation example failed ({seg['code']}):\n{text[-3000:]}\n"
+                         f"{seg['stderr'].decode(errors='replace')[-3000:]}")
+    final = re.search(r"final test/IoU: background (\S+), circle (\S+), square (\S+), triangle (\S+); min over "
+                      r"shapes (\S+); mean IoU (\S+) \(best (\S+)\) after (\d+) epochs in (\S+) s", text)
+    with open(os.path.join(work_root, "shapes", "log", "history.csv"), newline="") as f:
+        epoch_times = [float(row["epoch_time"]) for row in csv.DictReader(f)]
+    out["segmentation"] = {"command": "python examples/segmentation.py", "seconds": round(seg["seconds"], 1),
+                           "iou": dict(zip(["background", "circle", "square", "triangle"],
+                                           map(float, final.group(1, 2, 3, 4)))),
+                           "min_shape_iou": float(final.group(5)), "mean_iou": float(final.group(6)),
+                           "best_mean_iou": float(final.group(7)), "epochs": int(final.group(8)),
+                           "train_seconds": float(final.group(9)),
+                           "epoch_seconds": [round(t, 1) for t in epoch_times], "load": seg["load"]}
+    reg = timed([PY, "examples/regression.py", "--work_dir", os.path.join(work_root, "diabetes")])
+    text = reg["stdout"].decode(errors="replace")
+    if reg["code"]:
+        raise SystemExit(f"the regression example failed ({reg['code']}):\n{text[-3000:]}\n"
+                         f"{reg['stderr'].decode(errors='replace')[-3000:]}")
+    final = re.search(r"final test/R2: (\S+) test/MAE: (\S+) \(lowest MAE (\S+) at epoch (\d+), R2 (\S+)\); linear "
+                      r"regression baseline R2: (\S+) MAE: (\S+); (\d+) epochs in (\S+) s", text)
+    out["regression"] = {"command": "python examples/regression.py", "seconds": round(reg["seconds"], 1),
+                         "r2": float(final.group(1)), "mae": float(final.group(2)),
+                         "lowest_mae": float(final.group(3)), "lowest_mae_epoch": int(final.group(4)),
+                         "r2_at_lowest_mae": float(final.group(5)), "linear_r2": float(final.group(6)),
+                         "linear_mae": float(final.group(7)), "epochs": int(final.group(8)),
+                         "train_seconds": float(final.group(9)), "load": reg["load"]}
+    return out
+
+
 def run_tests() -> Dict[str, Any]:
     """The suite as README runs it; the counts from pytest's closing line."""
     run = timed([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"])
@@ -139,6 +176,19 @@ def markdown(results: Dict[str, Any]) -> str:
                   f"| carriage returns in its stdout / stderr (not terminals) | {e['carriage_returns']['stdout']} / "
                   f"{e['carriage_returns']['stderr']}; longest line {e['longest_line']} characters |"]
         lines += [f"| &nbsp;&nbsp;`{name}` | {size:,} bytes |" for name, size in e["disk"]["files"].items()]
+    if "segmentation" in results:
+        g = results["segmentation"]
+        lines += [f"| `{g['command']}` | test IoU " + ", ".join(f"{k} {v:.4f}" for k, v in g["iou"].items())
+                  + f" (mean {g['mean_iou']:.4f}) after {g['epochs']} epochs |",
+                  f"| its time, the whole command | {g['seconds']:.0f} s (epochs "
+                  f"{', '.join(f'{t:.0f}' for t in g['epoch_seconds'])} s; load average {g['load'][0]} before, "
+                  f"{g['load'][1]} after) |"]
+    if "regression" in results:
+        r = results["regression"]
+        lines += [f"| `{r['command']}` | test R² {r['r2']:.4f}, MAE {r['mae']:.2f} after {r['epochs']} epochs "
+                  f"(linear regression: R² {r['linear_r2']:.4f}, MAE {r['linear_mae']:.2f}) |",
+                  f"| its time, the whole command | {r['seconds']:.0f} s (load average {r['load'][0]} before, "
+                  f"{r['load'][1]} after) |"]
     if "tests" in results:
         t = results["tests"]
         lines.append(f"| `.venv/bin/python -m pytest` | {t['summary']} (wall {t['seconds']:.0f} s, exit {t['code']}; "
@@ -150,6 +200,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-setup", action="store_true", help="do not run ./setup.sh (.venv must exist)")
     parser.add_argument("--skip-example", action="store_true")
+    parser.add_argument("--skip-tasks", action="store_true", help="do not run the segmentation and regression examples")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--out", default="", help="folder for figures.md (e.g. docs)")
     args = parser.parse_args(argv)
@@ -169,6 +220,13 @@ def main(argv: Any = None) -> Dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="readme_figures_") as tmp:
             results["example"] = run_example(os.path.join(tmp, "digits"), [])
         say(f"example: {results['example']['final_accuracy']} in {results['example']['seconds']} s")
+    if not args.skip_tasks:
+        say("the segmentation and regression examples (about 3 minutes) ...")
+        with tempfile.TemporaryDirectory(prefix="readme_figures_") as tmp:
+            results.update(run_task_examples(tmp))
+        say(f"segmentation: {results['segmentation']['iou']} in {results['segmentation']['seconds']} s; "
+            f"regression: R2 {results['regression']['r2']} (linear {results['regression']['linear_r2']}) "
+            f"in {results['regression']['seconds']} s")
     if not args.skip_tests:
         say("the test suite (about 4 minutes) ...")
         results["tests"] = run_tests()

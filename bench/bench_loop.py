@@ -219,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         elif name == "imports":
             results["imports"] = probes.import_times(2 if args.quick else 7, say)
         elif name == "data":
-            results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 7, say=say)
+            results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 15, say=say)
         elif name == "costs":
             results["costs"] = run_costs(specs, say)
         say(f"    ({time.perf_counter() - t0:.0f} s)")

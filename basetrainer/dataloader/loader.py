@@ -127,6 +127,8 @@ def set_epoch(loader: Any, epoch: int, seed: int, rank: int) -> None:
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False, channels_last: bool = False) -> Any:
     """``batch`` (tensors in tuples, named tuples, lists and dicts) on ``device``; 4-D float
     tensors in the channels-last memory format when ``channels_last``."""
+    if device.type == "cpu" and not channels_last and not torch.cuda.is_initialized():
+        return batch   # no tensor can be anywhere but on the CPU: nothing to move (a few us a step)
     if isinstance(batch, torch.Tensor):
         if channels_last and batch.dim() == 4 and batch.is_floating_point():
             return batch.to(device, non_blocking=non_blocking, memory_format=torch.channels_last)

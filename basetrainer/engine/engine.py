@@ -72,7 +72,7 @@ class Engine(RunState):
         self._callbacks = CallbackList([], self)
         self._guard = NonFiniteGuard()
         self._preemption = Preemption()
-        self._steps_in_epoch = 0
+        self._steps_in_epoch, self._group_size = 0, 1
         self._non_blocking = False
         self._skip_batches = 0          # mid-epoch resume: batches of start_epoch already trained
         self._start_phase = "train"     # resume: "test" skips the train phase of start_epoch
@@ -161,7 +161,7 @@ class Engine(RunState):
         self.model.train()
         self.phase = "train"
         self._steps = EpochSteps(self.train_loader, self.accumulate_steps, self.loss_reduction)
-        self._steps_in_epoch = self._steps.steps
+        self._steps_in_epoch, self._group_size = self._steps.steps, comm.get_world_size()  # once an epoch
         skip, self._skip_batches = self._skip_batches, 0
         self.batch_in_epoch = skip
         sampler = getattr(self.train_loader, "batch_sampler", None)

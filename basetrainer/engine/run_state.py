@@ -129,7 +129,7 @@ class RunState:
         at the same step, so all ranks compare flags every ``log_freq`` steps (a signal that
         reached any rank stops them all). Inside an accumulation window: at its end."""
         if not self._stop_agreed:
-            if comm.get_world_size() == 1:
+            if self._group_size == 1:
                 self._stop_agreed = self._preemption.requested
             elif self.should_log(batch):
                 self._stop_agreed = comm.any_true(self._preemption.requested)

@@ -51,7 +51,8 @@ class EpochSteps:
                 raise ValueError("loss_reduction='sum' needs a train loader made by build_dataloader "
                                  "(its batch sampler tells each rank the size of every global batch)")
             return update, 1.0 / (end - start), False
-        n, _ = self.share(batch)
-        total = sum(self.share(b)[1] for b in range(start, end))
+        n, total = self.share(batch)
+        if end - start > 1:
+            total = sum(self.share(b)[1] for b in range(start, end))
         weight = (n if self.reduction == "mean" else (1 if n else 0)) * self.world / total
         return update, weight, n == 0

@@ -373,3 +373,15 @@ def test_finetune_loads_weights_only(tmp_path):
     assert int(weights_at_start.pop("momentum_buffers")) == 0   # a fresh optimizer
     assert_same_weights(weights_at_start, first.model.state_dict())
     assert tuned.global_step == 3
+
+
+def test_non_finite_names_exactly_the_tensors_with_nan_or_inf_also_when_a_sum_overflows():
+    from basetrainer.runtime.checkpoint import non_finite
+
+    nan, inf = float("nan"), float("inf")
+    weights = {"nan": torch.tensor([1.0, nan]), "inf": torch.tensor([inf, 1.0]), "both": torch.tensor([-inf, inf]),
+               "big32": torch.tensor([3e38, 3e38]), "big16": torch.tensor([6e4, 6e4], dtype=torch.float16),
+               "nan_bf16": torch.tensor([1.0, nan], dtype=torch.bfloat16),
+               "big64": torch.tensor([1e308, 1e308], dtype=torch.float64), "ints": torch.tensor([1, 2]),
+               "fine": torch.randn(100, 100)}
+    assert non_finite(weights) == ["nan", "inf", "both", "nan_bf16"]

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional
 
@@ -63,11 +62,8 @@ class Preemption:
         message = (f"training stopped by signal {signum} ({signal.Signals(signum).name}) at {where}; "
                    + (f"checkpoint saved to {path}; continue with resume: auto (or --resume {path})"
                       if path else "no checkpoint was saved (no work_dir and no ModelCheckpoint)"))
-        if is_main:  # once: to the configured log, else to stderr
-            if logger.hasHandlers():
-                logger.error("%s", message)
-            else:
-                print(message, file=sys.stderr, flush=True)
+        if is_main:  # once: to the configured log (with none, logging's last resort writes it to stderr)
+            logger.error("%s", message)
         raise SystemExit(128 + signum)
 
 

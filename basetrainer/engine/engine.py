@@ -22,7 +22,7 @@ from basetrainer.engine.preemption import Preemption, shield_loader
 from basetrainer.engine.run_state import RunState
 from basetrainer.engine.steps import EpochSteps
 from basetrainer.models.sync_batchnorm import placeholder_batch
-from basetrainer.runtime import checkpoint, comm
+from basetrainer.runtime import checkpoint, comm, sharding
 from basetrainer.runtime.modules import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,7 @@ class Engine(RunState):
         self.clip_grad_norm: Optional[float] = None
         self.channels_last = False
         self.loss_in_replica = False    # model is DataParallel(ModelWithLoss): it returns the loss too
-        self.stop_training = False
-        self.history = History()
+        self.stop_training, self.history = False, History()
         self.logs: Dict[str, Any] = {}  # the run's logs (a fresh dict per run)
         self.run_id: Optional[str] = None
         self.runs_done = 0              # run() calls that ended (a next one goes on from there)
@@ -85,8 +84,7 @@ class Engine(RunState):
         self._steps: Optional[EpochSteps] = None
         self._placeholder = False       # this step's batch is a placeholder (no sample of this rank)
         self._updated = True            # the last step ended its accumulation window
-        self._stop_agreed = False
-        self._compile_checked = True
+        self._stop_agreed, self._compile_checked = False, True
 
     # ----------------------------------------------------------------------------- callbacks
     def extra_callbacks(self) -> List[Any]:
@@ -195,8 +193,7 @@ class Engine(RunState):
         """Forward, backward (the loss weighted by this rank's share of the window's samples,
         see :mod:`basetrainer.engine.steps`) and, at the window's end, the optimizer step."""
         update, weight, self._placeholder = self._steps.plan(batch)
-        no_sync = (not update and isinstance(self.model, nn.parallel.DistributedDataParallel))
-        with self.model.no_sync() if no_sync else contextlib.nullcontext():
+        with sharding.sync_gradients(self.model, update):   # DDP no_sync / FSDP: inside a window
             with self.autocast(), placeholder_batch() if self._placeholder else contextlib.nullcontext():
                 if self._compile_checked:
                     outputs, losses = self.run_step(data)
@@ -239,7 +236,9 @@ class Engine(RunState):
             self.model = wrapped.module
         self.model.eval()
         try:
-            for batch, data in enumerate(preemption.start(self.test_loader)):
+            done = 0
+            for done, data in enumerate(preemption.start(self.test_loader), start=1):
+                batch = done - 1
                 data = self.to_device(data)
                 with self.autocast():
                     outputs, losses = self.run_step(data)
@@ -248,6 +247,7 @@ class Engine(RunState):
                 # hold different numbers of test batches, so DDP stops at the epoch's end
                 if self._preemption.requested and comm.get_world_size() == 1:
                     self.preempt(f"epoch {epoch}, test batch {batch + 1}")
+            sharding.even_out_test_forwards(self, done)   # FSDP: as many forwards on every rank
         finally:
             self.model = wrapped
 
@@ -296,5 +296,5 @@ class Engine(RunState):
 
     @property
     def unwrapped_model(self) -> nn.Module:
-        """The model without DataParallel/DDP/compile wrappers (what checkpoints hold)."""
+        """The model without DataParallel/DDP/compile wrappers (FSDP shards it in place)."""
         return unwrap_model(self.model)

@@ -6,7 +6,7 @@ and loaded by :mod:`basetrainer.runtime.checkpoint` (their one home).
 import os
 from typing import Any, List, Optional
 
-from basetrainer.runtime import atomic, checkpoint, comm
+from basetrainer.runtime import atomic, checkpoint, comm, sharded, sharding
 from basetrainer.utils import torch_tools
 
 
@@ -79,8 +79,10 @@ class RunState:
             if hasattr(cb, "prepare_state"):
                 cb.prepare_state()
         rngs = comm.all_gather_object(checkpoint.rng_state())
-        if comm.is_main_process():
-            target = folder if path is None else checkpoint.CheckpointFolder(os.path.dirname(os.path.abspath(path)))
+        target = folder if path is None else checkpoint.CheckpointFolder(os.path.dirname(os.path.abspath(path)))
+        if sharding.is_fsdp(self.model):   # every rank writes its shards (in the foreground)
+            sharded.save(self, target, rngs, path)
+        elif comm.is_main_process():
             target.commit(self.state_dict(rng=rngs), background=background, path=path)
         if path is None:
             self._saved_at = at
@@ -94,9 +96,15 @@ class RunState:
     def load_state_dict(self, state: dict, source: str = "checkpoint") -> None:
         """Restore :meth:`state_dict`: training continues after the saved point (inside the
         epoch, skipping the batches already trained, for a mid-epoch checkpoint)."""
-        torch_tools.load_weights(self.model, state["model"], strict=True, source=source)
-        if self.optimizer is not None and state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
+        model = self.unwrapped_model
+        if state.get("shards"):   # a sharded checkpoint: read (and reshard) the tensors it refers to
+            state = sharded.load(state, os.path.dirname(os.path.abspath(source)), sharding.mesh_of(model))
+        if state.get("shards") or sharding.is_fsdp(model):
+            sharding.load_state(model, self.optimizer, state, full=not state.get("shards"))
+        else:
+            torch_tools.load_weights(self.model, state["model"], strict=True, source=source)
+            if self.optimizer is not None and state.get("optimizer"):
+                self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         checkpoint.load_callback_states(self.callbacks, state.get("callbacks", {}), source)

@@ -1,6 +1,6 @@
 """EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
 import logging
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -11,7 +11,7 @@ from basetrainer.dataloader import loader as data
 from basetrainer.engine import resume
 from basetrainer.engine.engine import Engine
 from basetrainer.models import sync_batchnorm
-from basetrainer.runtime import comm
+from basetrainer.runtime import comm, sharding
 from basetrainer.runtime.modules import ModelWithLoss
 from basetrainer.utils import setup_config, torch_tools
 
@@ -81,6 +81,8 @@ class EngineTrainer(Engine):
         self.local_rank = comm.get_local_rank()
         self.gpu_id = list(cfg.gpu_id or [])
         self.device = self._select_device(self.gpu_id, bool(cfg.distributed))
+        self.strategy = sharding.strategy_of(cfg)
+        sharding.check_config(cfg, self.device, self.amp)
         resume.claim_work_dir(cfg)
 
     def _select_device(self, gpu_id: List[int], distributed: bool) -> torch.device:
@@ -125,7 +127,8 @@ class EngineTrainer(Engine):
             dataset = getattr(self.train_loader, "dataset", None)
             self.num_samples = len(dataset) if dataset is not None else self.num_steps * cfg.batch_size
             data.check_equal_lengths(self.train_loader)
-        self.model = self.build_model(cfg, **kwargs)
+        with sharding.construction(self.cfg):   # fsdp: ranks but 0 build on the meta device
+            self.model = self.build_model(cfg, **kwargs)
         self.criterion = self.build_criterion(cfg, **kwargs)
         self.optimizer = self.build_optimizer(cfg, **kwargs)
         if self.model is None:
@@ -204,9 +207,15 @@ class EngineTrainer(Engine):
 
         DDP when a process group exists (``device_ids`` on GPU, none on CPU; ``sync_bn`` and
         ``find_unused_parameters`` from the config or keywords), DataParallel for several GPUs
-        in one process, else the bare model on ``self.device``.
+        in one process, else the bare model on ``self.device``. With ``strategy: fsdp``: the
+        blocks and the root sharded by FSDP2 (:func:`basetrainer.runtime.sharding.shard`; the
+        blocks: ``wrap_policy``, else ``fsdp_wrap``, else the model's repeated blocks).
         """
         gpu_id = list(kwargs.pop("device_ids", None) or (self.gpu_id if gpu_id is None else gpu_id) or [])
+        if self.strategy == "fsdp" and distributed is not False:
+            if self.channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            return sharding.shard(model, self.device, self.cfg, policy=self.wrap_policy)
         sync_bn = kwargs.pop("sync_bn", self.cfg.get("sync_bn", False))
         find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
         model = model.to(self.device)
@@ -228,6 +237,10 @@ class EngineTrainer(Engine):
         if self.device.type == "cuda" and len(gpu_id) > 1:
             return nn.DataParallel(model, device_ids=gpu_id)
         return model
+
+    #: ``strategy: fsdp``: set to a function ``module -> bool`` (or define a method) to choose the
+    #: modules sharded one by one (the outermost accepted ones); None: ``fsdp_wrap`` or the defaults.
+    wrap_policy: Optional[Callable[[nn.Module], bool]] = None
 
     # ----------------------------------------------------------------------------- run
     def extra_callbacks(self) -> List[Any]:

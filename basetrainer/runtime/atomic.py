@@ -158,7 +158,7 @@ def human(n: Optional[float]) -> str:
     return f"{n:.1f} GB"
 
 
-def _space_error(exc: BaseException) -> Optional[OSError]:
+def space_error(exc: BaseException) -> Optional[OSError]:
     """The ENOSPC/EDQUOT error behind ``exc`` (torch's zip writer hides it as the context of a
     RuntimeError "unexpected pos")."""
     seen = set()
@@ -177,7 +177,7 @@ def _explain(exc: Exception, path: str, content: Any) -> Exception:
         free: Optional[int] = shutil.disk_usage(folder).free
     except OSError:
         free = None
-    full = _space_error(exc) is not None or (
+    full = space_error(exc) is not None or (
         "unexpected pos" in str(exc) and free is not None and needed and free < needed)
     if not full:
         if hasattr(exc, "add_note") and f"while writing {path}" not in getattr(exc, "__notes__", []):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from basetrainer.runtime import atomic
+from basetrainer.runtime import atomic, sharded, sharding
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,15 @@ def capture(engine: Any, rngs: Optional[List[dict]] = None) -> dict:
     with :func:`basetrainer.runtime.atomic.snapshot` before training goes on)."""
     phase = getattr(engine, "phase", "end")
     cfg = getattr(engine, "cfg", None)
+    model, optimizer = engine.unwrapped_model, engine.optimizer
+    if sharding.is_fsdp(model):   # sharded: by parameter name, DTensors (see basetrainer.runtime.sharded)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_state = get_model_state_dict(model)
+        optimizer_state = get_optimizer_state_dict(model, optimizer) if optimizer is not None else {}
+    else:
+        model_state = model.state_dict()
+        optimizer_state = optimizer.state_dict() if optimizer is not None else {}
     return {
         "format": FORMAT,
         "run_id": getattr(engine, "run_id", None),
@@ -215,8 +224,8 @@ def capture(engine: Any, rngs: Optional[List[dict]] = None) -> dict:
         "epoch_complete": phase == "end",
         "batch": int(engine.batch_in_epoch),       # train steps done in this epoch
         "global_step": int(engine.global_step),
-        "model": engine.unwrapped_model.state_dict(),
-        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else {},
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else {},
         "callbacks": callback_states(engine.callbacks),
         "rng": rngs if rngs is not None else [rng_state()],
@@ -302,6 +311,8 @@ class CheckpointFolder:
                 bad = non_finite(state.get("model", {}))
                 if bad:
                     raise ValueError(f"{path!r} holds non-finite weights ({', '.join(bad[:3])})")
+                if state.get("shards"):
+                    sharded.check(state, self.folder)
             except ValueError as e:
                 damaged.append(str(e))
                 self._last_damaged = self._last_damaged or path == self.last
@@ -332,8 +343,12 @@ class CheckpointFolder:
     def has_staged(self) -> bool:
         return bool(self._writes or self._cleanups)
 
-    def commit(self, state: dict, background: bool = True, path: Optional[str] = None) -> str:
+    def commit(self, state: dict, background: bool = True, path: Optional[str] = None,
+               weights: Optional[Dict[str, torch.Tensor]] = None) -> str:
         """Write the staged files, then ``state`` as ``last.pth`` (or ``path``), then clean up.
+
+        ``weights``: the whole model's weights for the staged files when ``state["model"]`` does
+        not hold them (a sharded checkpoint's, gathered on the main process).
 
         Raises:
             FloatingPointError: the weights hold NaN or inf (nothing is written).
@@ -360,7 +375,7 @@ class CheckpointFolder:
         def job(saved: dict) -> None:
             try:
                 for write in writes:
-                    write(saved)
+                    write(saved if weights is None else {**saved, "model": weights})
                 atomic.write_atomically(saved, target, keep_previous=keep)
             except atomic.DiskFullError as e:
                 raise atomic.DiskFullError(e.errno, f"{e.strerror}. {self._intact()}") from None
@@ -368,6 +383,8 @@ class CheckpointFolder:
                 self.committed = what
             for cleanup in cleanups:
                 cleanup()
+            if target == self.last and saved.get("shards"):   # shard folders no last refers to any more
+                sharded.remove_unreferenced(self.folder, sharded.referenced(self.folder, (LAST, PREVIOUS)))
 
         if background:
             copy = atomic.snapshot(state)

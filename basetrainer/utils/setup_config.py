@@ -105,6 +105,12 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),
     "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm in DDP"),
     "find_unused_parameters": (False, "bool", "DDP option for models with unused parameters"),
+    "strategy": ("ddp", "str", "how distributed processes hold the model: ddp (each the whole model) or fsdp "
+                               "(parameters, gradients and optimizer state sharded; FSDP2)"),
+    "fsdp_wrap": ([], "strs", "fsdp: class names of the blocks to shard one by one (default: the model's "
+                              "repeated blocks)"),
+    "reshard_after_forward": (True, "bool", "fsdp: free a block's gathered parameters after its forward"),
+    "activation_checkpointing": (False, "bool", "fsdp: recompute the sharded blocks' activations in the backward"),
     "loss_in_replica": (False, "bool", "DataParallel: each replica computes its own loss (less memory on GPU 0)"),
     "start_save": (0, "optint", "ModelCheckpoint: 0 = best + last only; N = per-epoch files from epoch N; "
                                 "None/-1 = the last 10"),
@@ -141,6 +147,7 @@ _CHECKS = {
              "a path, a list of paths, or null"),
     "optpath": (lambda v: v is None or v is False or isinstance(v, str), "a path, '' or null"),
     "boolpath": (lambda v: isinstance(v, (bool, str)) or v is None, "true, false or a path"),
+    "strs": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v), "a list of names"),
     "loggers": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
                 f"a list of names from {list(LOGGERS)}"),
 }
@@ -192,6 +199,8 @@ def validate(cfg: Any) -> None:
         value = cfg[key]
         if kind == "ints" and _is_int(value):  # gpu_id: 0 means [0]
             cfg[key] = value = [value]
+        if kind == "strs" and isinstance(value, str):  # fsdp_wrap: Block means [Block]
+            cfg[key] = value = [v for v in value.replace(",", " ").split() if v]
         if kind == "loggers":
             cfg[key] = parse_loggers(value, key)
             continue

@@ -1,0 +1,305 @@
+"""Sharded checkpoints (``strategy: fsdp``) through ``torch.distributed.checkpoint`` (DCP).
+
+A sharded ``last`` is two things in the checkpoint folder:
+
+- ``last-shards-<step>-<id>/``: a DCP folder (``__<rank>_0.distcp`` per rank, ``.metadata``)
+  holding only tensors: the sharded weights, optimizer state and any sharded callback state
+  (e.g. ModelEMA's average). Every rank writes its own shard, in parallel.
+- ``last.pth``: everything else (position, scheduler, callbacks, RNG of every rank, config,
+  the unsharded buffers), in weights-only types, with ``"shards"`` naming the folder above and
+  ``"dcp:<key>"`` standing where each sharded tensor was. Written atomically by rank 0 *after*
+  every shard is complete, so it is the pointer that makes a new ``last`` current: a crash
+  during a save leaves the previous ``last.pth`` and its folder loadable.
+
+``last.prev.pth`` keeps the ``last`` before, with its folder; folders neither refers to are
+removed after each save. Loading reshards: the templates are made for the current world size
+from the metadata, so a checkpoint saved by N processes resumes on any number.
+
+The weights-only promise holds here too: torch 2.14's DCP reads ``.metadata`` with
+``pickle.load`` and non-tensor items with ``weights_only=False``. :class:`SafeReader` reads the
+metadata with an unpickler that only builds DCP's own metadata classes (anything else is
+refused before it runs) and refuses non-tensor items; tensors are read with ``weights_only``.
+"""
+import io
+import logging
+import os
+import pickle
+import shutil
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from basetrainer.runtime import atomic, comm
+
+logger = logging.getLogger(__name__)
+
+MARKER = "dcp:"
+PREFIX = "last-shards-"
+
+# what DCP 2.14's .metadata holds (module -> names); nothing else is ever built
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint that would run code, or hold objects other than tensors, when loaded."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"it names {module}.{name}, which DCP metadata never holds (it would be "
+                                    f"called while loading)")
+
+
+def read_metadata(folder: str) -> Any:
+    """The DCP metadata of ``folder``, read without running code.
+
+    Raises:
+        UnsafeCheckpointError: the metadata names anything but DCP's metadata classes, or the
+            checkpoint holds non-tensor items (DCP would unpickle those with code).
+        ValueError: no metadata, or it is damaged.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    path = os.path.join(folder, ".metadata")
+    if not os.path.isfile(path):
+        raise ValueError(f"sharded checkpoint {folder!r} has no .metadata (its save did not finish)")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"refused to load {path!r}: {e}. Only checkpoints this library wrote "
+                                    f"(tensors and DCP metadata) are loaded") from None
+    except Exception as e:
+        raise ValueError(f"sharded checkpoint {folder!r}: its .metadata is damaged "
+                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"refused to load {path!r}: it holds a {type(metadata).__name__}, "
+                                    f"not DCP metadata")
+    other = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
+    if other:
+        raise UnsafeCheckpointError(f"refused to load {folder!r}: items {other[:5]} are not tensors (DCP would "
+                                    f"unpickle them with code); sharded checkpoints hold tensors only")
+    for item in (metadata.storage_data or {}).values():
+        file = os.path.join(folder, str(item.relative_path))
+        if os.path.dirname(os.path.abspath(file)) != os.path.abspath(folder):
+            raise UnsafeCheckpointError(f"refused to load {folder!r}: its metadata points outside the folder")
+        if not os.path.isfile(file) or os.path.getsize(file) < item.offset + item.length:
+            raise ValueError(f"sharded checkpoint {folder!r}: {item.relative_path} is missing or truncated")
+    return metadata
+
+
+def _reader_class() -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        """DCP's file reader with the metadata read by :func:`read_metadata`."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_metadata(str(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader
+
+
+# ----------------------------------------------------------------------------- split and join
+def _is_sharded(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def split(state: Any, prefix: str = "") -> Tuple[Any, Dict[str, Any]]:
+    """``(rest, tensors)``: every DTensor of ``state`` moved to ``tensors`` (flat, keyed by its
+    path) and replaced in ``rest`` by ``"dcp:<path>"``."""
+    tensors: Dict[str, Any] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            out = [walk(v, f"{path}/{i}") for i, v in enumerate(value)]
+            return out if isinstance(value, list) else tuple(out)
+        if _is_sharded(value):
+            tensors[path] = value
+            return MARKER + path
+        return value
+
+    return walk(state, prefix), tensors
+
+
+def markers(rest: Any) -> List[str]:
+    found: List[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and value.startswith(MARKER):
+            found.append(value[len(MARKER):])
+
+    walk(rest)
+    return found
+
+
+def join(rest: Any, tensors: Dict[str, Any]) -> Any:
+    if isinstance(rest, dict):
+        return {k: join(v, tensors) for k, v in rest.items()}
+    if isinstance(rest, (list, tuple)):
+        out = [join(v, tensors) for v in rest]
+        return out if isinstance(rest, list) else tuple(out)
+    if isinstance(rest, str) and rest.startswith(MARKER):
+        return tensors[rest[len(MARKER):]]
+    return rest
+
+
+# ----------------------------------------------------------------------------- saving
+def new_name(step: int) -> str:
+    """A fresh shard folder name (rank 0 picks it; every rank receives it)."""
+    return comm.broadcast_object(f"{PREFIX}{int(step):08d}-{uuid.uuid4().hex[:8]}" if comm.is_main_process() else None)
+
+
+def non_finite_local(tensors: Dict[str, Any]) -> List[str]:
+    """Names of the sharded tensors whose local shard holds NaN or inf, on any rank."""
+    from basetrainer.runtime.checkpoint import non_finite
+
+    local = {k: v.to_local() for k, v in tensors.items()}
+    bad = non_finite(local)
+    everywhere = comm.all_gather_object(bad)
+    return sorted({k for part in everywhere for k in part})
+
+
+def write_shards(tensors: Dict[str, Any], folder: str) -> None:
+    """Every rank writes its shards of ``tensors`` into ``folder`` (collective); the files are
+    fsynced, and the folder too, before this returns on any rank."""
+    import torch.distributed.checkpoint as dcp
+
+    if comm.is_main_process() and os.path.exists(folder):   # a killed save's leftovers: never referenced
+        shutil.rmtree(folder, ignore_errors=True)
+    comm.synchronize()
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    except Exception as e:
+        space = atomic.space_error(e)
+        if space is None:
+            raise
+        raise atomic.DiskFullError(space.errno, f"no space left writing the shards of {folder}: the previous "
+                                                f"last.pth and its shards are intact; free some space and "
+                                                f"continue with resume: auto") from None
+    if comm.is_main_process():
+        atomic.fsync_folder(folder)
+        atomic.fsync_folder(os.path.dirname(folder))
+    comm.synchronize()
+
+
+def referenced(folder: str, names: Tuple[str, ...]) -> List[str]:
+    """Shard folders the files ``names`` of ``folder`` refer to."""
+    from basetrainer.runtime.checkpoint import load_file
+
+    found = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            try:
+                state = load_file(path)
+            except ValueError:
+                continue
+            if isinstance(state, dict) and state.get("shards"):
+                found.append(str(state["shards"]))
+    return found
+
+
+def remove_unreferenced(folder: str, keep: List[str]) -> None:
+    """Delete the shard folders of ``folder`` that no ``last`` refers to (main process)."""
+    for name in os.listdir(folder):
+        if name.startswith(PREFIX) and name not in keep and os.path.isdir(os.path.join(folder, name)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- loading
+def check(state: dict, folder: str) -> None:
+    """Raise ValueError when the shards ``state`` refers to are missing, damaged or unsafe."""
+    shards = os.path.join(folder, str(state["shards"]))
+    metadata = read_metadata(shards)
+    absent = [k for k in markers(state) if k not in metadata.state_dict_metadata]
+    if absent:
+        raise ValueError(f"sharded checkpoint {shards!r} lacks {absent[:3]}")
+
+
+def load(state: dict, folder: str, mesh: Any = None) -> dict:
+    """``state`` with every ``"dcp:<key>"`` replaced by the tensor read from its shards: a
+    DTensor sharded over ``mesh`` (dim 0, as ``fully_shard`` shards), or a whole tensor when
+    ``mesh`` is None (a model that is not sharded). Collective when a process group exists."""
+    import torch.distributed.checkpoint as dcp
+
+    shards = os.path.join(folder, str(state["shards"]))
+    metadata = read_metadata(shards)
+    keys = markers(state)
+    templates: Dict[str, Any] = {}
+    for key in keys:
+        item = metadata.state_dict_metadata.get(key)
+        if item is None:
+            raise ValueError(f"sharded checkpoint {shards!r} lacks {key!r}")
+        dtype = item.properties.dtype
+        if mesh is not None and len(item.size) > 0:
+            import torch.distributed.tensor as dtensor
+            from torch.distributed.tensor import Shard
+
+            templates[key] = dtensor.zeros(item.size, dtype=dtype, device_mesh=mesh, placements=[Shard(0)])
+        else:
+            templates[key] = torch.zeros(item.size, dtype=dtype)
+    dcp.load(templates, storage_reader=_reader_class()(shards), no_dist=not comm.is_dist())
+    return join(state, templates)
+
+
+def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None) -> None:
+    """Save ``engine``'s state as a sharded ``last`` in ``folder`` (a CheckpointFolder); every
+    rank calls it. The staged files (best and per-epoch weights) get the whole weights, gathered
+    to the main process on the CPU (no rank gathers the optimizer state).
+
+    Raises:
+        FloatingPointError: a weight is NaN or inf on some rank (nothing is written).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from basetrainer.runtime.checkpoint import capture, describe
+
+    state = capture(engine, rngs)
+    rest, tensors = split(state)
+    bad = non_finite_local(tensors)
+    if bad:
+        folder._writes, folder._cleanups = [], []
+        raise FloatingPointError(f"refusing to save {describe(state)}: non-finite weights in {', '.join(bad[:5])}; "
+                                 f"the previous checkpoint in {folder.folder} is kept")
+    need_full = comm.broadcast_object(folder.has_staged if comm.is_main_process() else None)
+    weights = None
+    if need_full:
+        weights = get_model_state_dict(engine.unwrapped_model,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    name = new_name(engine.global_step)
+    os.makedirs(folder.folder, exist_ok=True)
+    write_shards(tensors, os.path.join(folder.folder, name))
+    if comm.is_main_process():
+        rest["shards"] = name
+        folder.commit(rest, background=False, path=path, weights=weights)

@@ -1,0 +1,285 @@
+"""FSDP2 (``strategy: fsdp``): the model's blocks and root sharded over the processes.
+
+Every process holds 1/world of the parameters, their gradients and the optimizer state; a
+block's full parameters exist only while it runs (``torch.distributed.fsdp.fully_shard``).
+The ranks other than 0 build the model on the ``meta`` device (no memory); rank 0 builds it as
+in a single-process run (so the initial weights are those of that run), and after sharding its
+weights are scattered into every rank's shard. Gradients are averaged like DDP's, so the loss
+weighting of :mod:`basetrainer.engine.steps` makes an FSDP run equal to the one-process run.
+"""
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from basetrainer.runtime import comm
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def is_fsdp(model: Any) -> bool:
+    """Whether ``model`` is sharded by ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def strategy_of(cfg: Any) -> str:
+    """The config's ``strategy`` (``ddp`` or ``fsdp``), checked."""
+    value = str((cfg.get("strategy") if cfg is not None and hasattr(cfg, "get") else None) or "ddp").lower()
+    if value not in STRATEGIES:
+        raise ValueError(f"config key 'strategy' = {value!r} must be one of {', '.join(STRATEGIES)} "
+                         f"(ddp: every process holds the whole model; fsdp: parameters, gradients and "
+                         f"optimizer state sharded over the processes)")
+    return value
+
+
+@contextlib.contextmanager
+def construction(cfg: Any) -> Iterator[None]:
+    """Where ``build_model`` runs: with ``strategy: fsdp`` in a process group, the ranks other
+    than 0 build on the ``meta`` device (shapes only, no memory); rank 0 builds normally."""
+    if strategy_of(cfg) == "fsdp" and comm.is_dist() and comm.get_rank() != 0:
+        with torch.device("meta"):
+            yield
+    else:
+        yield
+
+
+def check_config(cfg: Any, device: torch.device, amp: str) -> None:
+    """The clear, early errors of ``strategy: fsdp``."""
+    if strategy_of(cfg) != "fsdp":
+        return
+    if amp == "fp16":
+        raise ValueError("amp: fp16 needs a GradScaler, which FSDP2 does not support: use amp: bf16 with "
+                         "strategy: fsdp (or amp: fp16 with strategy: ddp)")
+    if cfg.get("sync_bn"):
+        raise ValueError("sync_bn: true is not supported with strategy: fsdp (BatchNorm statistics would be "
+                         "synchronised inside sharded blocks): set sync_bn: false, or use strategy: ddp, or "
+                         "replace BatchNorm by GroupNorm/LayerNorm")
+    if cfg.get("compile"):
+        raise ValueError("compile: true is not supported with strategy: fsdp here: set compile: false")
+    if not comm.is_dist():
+        several = len(cfg.get("gpu_id") or []) > 1 and not cfg.get("distributed")
+        raise ValueError("strategy: fsdp shards the model over the processes of a process group, and none is "
+                         "initialised" + (" (gpu_id with several GPUs and distributed: false is DataParallel, "
+                                          "which cannot shard)" if several else "")
+                         + ": start the script with distributed: true through launch(), torchrun or SLURM "
+                           "(one process is allowed), or use strategy: ddp")
+
+
+def default_blocks(model: nn.Module) -> List[nn.Module]:
+    """The model's repeated blocks: modules of a class that occurs at least twice, holds
+    parameters and contains no other such module's parent (torchvision's BasicBlock /
+    Bottleneck / InvertedResidual, a transformer's layers). Falls back to the root's children
+    that hold parameters."""
+    counts: dict = {}
+    for m in model.modules():
+        if m is not model and any(True for _ in m.parameters()) and _is_composite(m):
+            counts[type(m)] = counts.get(type(m), 0) + 1
+    repeated = {t for t, n in counts.items() if n >= 2}
+    chosen = _outermost(model, lambda m: type(m) in repeated)
+    if not chosen:
+        chosen = [m for m in model.children() if any(True for _ in m.parameters())]
+    return chosen
+
+
+def _is_composite(m: nn.Module) -> bool:
+    """A module made of other modules (a block), not a leaf layer or a plain container."""
+    return any(True for _ in m.children()) and not isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+
+
+def _outermost(model: nn.Module, pick: Callable[[nn.Module], bool]) -> List[nn.Module]:
+    """Modules ``pick`` accepts that lie inside no other accepted module, in module order."""
+    found: List[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if pick(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def blocks_to_wrap(model: nn.Module, wrap: Optional[Sequence[str]] = None,
+                   policy: Optional[Callable[[nn.Module], bool]] = None) -> List[nn.Module]:
+    """The modules ``fully_shard`` wraps before the root: ``policy(module)`` when given, else
+    the classes named in ``wrap`` (``fsdp_wrap``), else :func:`default_blocks`.
+
+    Raises:
+        ValueError: a name in ``wrap`` matches no module of the model.
+    """
+    if policy is not None:
+        return _outermost(model, lambda m: bool(policy(m)))
+    if wrap:
+        names = [str(w) for w in wrap]
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise ValueError(f"config key 'fsdp_wrap' = {names!r}: {missing} match no module class of the model "
+                             f"(its classes: {', '.join(sorted(present))}); name classes it has, or leave "
+                             f"fsdp_wrap empty for its repeated blocks")
+        return _outermost(model, lambda m: type(m).__name__ in names)
+    return default_blocks(model)
+
+
+def _mixed_precision(amp: str, device: torch.device) -> Any:
+    if amp != "bf16":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # gloo cannot reduce bf16: the gradients are reduced in float32 on the CPU (and on GPUs,
+    # where float32 reduction is also the more exact choice)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard(model: nn.Module, device: torch.device, cfg: Any,
+          policy: Optional[Callable[[nn.Module], bool]] = None) -> nn.Module:
+    """``fully_shard`` the model's blocks and its root over all processes; the weights are rank
+    0's (scattered from it: the other ranks built the model on ``meta``).
+
+    Options from ``cfg``: ``fsdp_wrap`` (class names), ``reshard_after_forward`` (default
+    true: free a block's full parameters after its forward, all-gather again in the backward),
+    ``activation_checkpointing`` (recompute the wrapped blocks' activations in the backward),
+    ``amp: bf16`` (bf16 compute, float32 gradient reduction).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    amp = str(cfg.get("amp") or "none").lower()
+    blocks = blocks_to_wrap(model, cfg.get("fsdp_wrap") or None, policy)
+    full = _full_weights(model) if comm.get_rank() == 0 else None
+    model.to(torch.device("meta"))   # rank 0 too: the weights come back as shards, one tensor at a time
+    if cfg.get("activation_checkpointing"):
+        _checkpoint_activations(model, blocks)
+    mesh = init_device_mesh(device.type, (comm.get_world_size(),))
+    options = dict(mesh=mesh, reshard_after_forward=bool(cfg.get("reshard_after_forward", True)))
+    policy_mp = _mixed_precision(amp, device)
+    if policy_mp is not None:
+        options["mp_policy"] = policy_mp
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    model.to_empty(device=device)
+    _scatter_from_rank0(model, full, device)
+    return model
+
+
+def _full_weights(model: nn.Module) -> dict:
+    """Rank 0's parameters and buffers by name, before sharding replaces them."""
+    out = dict(model.named_parameters())
+    out.update(dict(model.named_buffers()))
+    return {k: v.detach() for k, v in out.items()}
+
+
+def _scatter_from_rank0(model: nn.Module, full: Optional[dict], device: torch.device) -> None:
+    """Give every rank its shard of rank 0's weights (a scatter per parameter: no rank but 0
+    ever holds a whole one) and rank 0's buffers (a broadcast)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor):
+                continue
+            source = full[name].to(device) if full is not None else torch.empty(param.shape, dtype=param.dtype,
+                                                                                 device=device)
+            shard_ = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
+            param.to_local().copy_(shard_.to_local())
+        for name, buf in model.named_buffers():
+            if full is not None:
+                buf.copy_(full[name].to(device))
+            if comm.get_world_size() > 1:
+                dist.broadcast(buf, src=0)
+
+
+def _checkpoint_activations(model: nn.Module, blocks: List[nn.Module]) -> None:
+    """Recompute each block's activations in the backward instead of keeping them (torch's
+    composable ``checkpoint``: parameter names stay as they are)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
+def mesh_of(model: nn.Module) -> Any:
+    """The device mesh ``model``'s parameters are sharded over (None when they are not)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh
+    return None
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> Any:
+    """A context for one micro-batch's backward: inside an accumulation window (``sync`` false)
+    DDP skips its all-reduce (``no_sync``) and FSDP its reduce-scatter, keeping the unsharded
+    gradients and parameters until the window's last micro-batch."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not sync:
+        return model.no_sync()
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(sync)
+        model.set_reshard_after_backward(sync)
+    return contextlib.nullcontext()
+
+
+def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """An ``optimizer.state_dict()`` (parameters numbered) keyed by parameter name instead."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state, groups = {}, []
+    for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):
+        fqns = [names[id(p)] for p in group["params"]]
+        for index, fqn in zip(saved_group["params"], fqns):
+            if index in saved.get("state", {}):
+                state[fqn] = saved["state"][index]
+        groups.append({**saved_group, "params": fqns})
+    return {"state": state, "param_groups": groups}
+
+
+def load_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict, full: bool) -> None:
+    """Load a checkpoint's model and optimizer state by parameter name: sharded state (a
+    sharded checkpoint's) or, with ``full``, whole tensors (a one-file checkpoint) into a model
+    that is sharded or not."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=full, strict=True)
+    set_model_state_dict(model, state["model"], options=options)
+    if optimizer is not None and state.get("optimizer"):
+        saved = state["optimizer"]
+        groups = saved.get("param_groups") or [{}]
+        if full and any(isinstance(i, int) for i in groups[0].get("params", [])):   # optimizer.state_dict()
+            saved = _by_name(model, optimizer, saved)
+        set_optimizer_state_dict(model, optimizer, saved, options=options)
+
+
+def even_out_test_forwards(engine: Any, done: int) -> None:
+    """FSDP: every forward all-gathers parameters with the other ranks, and exact test sharding
+    gives ranks different numbers of batches; a rank that ran fewer forwards a placeholder batch
+    (one sample of the data set, outputs unused) until all ran as many."""
+    if not is_fsdp(engine.model) or comm.get_world_size() == 1:
+        return
+    most = max(comm.all_gather_object(done))
+    if most <= done:
+        return
+    batch = None
+    for loader in (engine.test_loader, engine.train_loader):
+        dataset = getattr(loader, "dataset", None)
+        if dataset is not None and len(dataset) and getattr(loader, "collate_fn", None) is not None:
+            batch = engine.to_device(loader.collate_fn([dataset[0]]))
+            break
+    if batch is None:
+        raise RuntimeError("strategy: fsdp: this rank has fewer test batches than the others and no sample "
+                           "to run in their place (a data set without len() or collate_fn)")
+    for _ in range(most - done):
+        with engine.autocast():
+            engine.run_step(batch)

@@ -1,0 +1,58 @@
+"""Models and helpers of the FSDP tests (a stack of identical blocks: what fully_shard wraps)."""
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from basetrainer.runtime import comm, sharding
+
+from conftest import ToyTrainer, toy_cfg
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class BlockNet(nn.Module):
+    """16 features -> width -> ``depth`` residual blocks -> classes (no BatchNorm, no dropout)."""
+
+    def __init__(self, num_classes: int = 4, width: int = 24, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.stem(x))))
+
+
+class BlockTrainer(ToyTrainer):
+    def build_model(self, cfg, **kwargs):
+        torch.manual_seed(cfg.seed)
+        return self.build_model_parallel(BlockNet(), cfg.gpu_id, distributed=cfg.distributed)
+
+
+def fsdp_cfg(**overrides: Any):
+    base = dict(num_epochs=3, n_train=251, n_test=37, batch_size=30, lr=0.2, momentum=0.9,
+                distributed=comm.is_dist())
+    base.update(overrides)
+    return toy_cfg(**base)
+
+
+def full_weights(trainer: Any) -> Dict[str, torch.Tensor]:
+    """The whole model's weights on every rank (a collective under fsdp)."""
+    model = trainer.unwrapped_model
+    if sharding.is_fsdp(model):
+        return {k: v.full_tensor().detach().clone() if hasattr(v, "full_tensor") else v.detach().clone()
+                for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

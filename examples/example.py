@@ -7,6 +7,7 @@ once as an ImageFolder under data/digits:
     python examples/example.py --gpu_id 0 1                      # DataParallel over two GPUs
     python examples/example.py --distributed --gpu_id 0 1        # DDP, two processes
     torchrun --nproc_per_node 2 examples/example.py --distributed
+    python examples/example.py --distributed --gpu_id 0 1 --strategy fsdp   # model sharded (FSDP2)
     python examples/example.py --train_data my/train --test_data my/val --net_type mobilenet_v2
 """
 import argparse
@@ -159,6 +160,8 @@ def get_parser():
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars in a terminal or notebook (--no-progress to turn off)")
     parser.add_argument("--distributed", action="store_true", help="one process per gpu_id entry (DDP)")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                        help="with --distributed: ddp (every process holds the model) or fsdp (sharded)")
     parser.add_argument("--loggers", nargs="+", default=["tensorboard", "csv"],
                         help="where the figures go: tensorboard csv mlflow wandb (mlflow/wandb: "
                              "pip install \"basetrainer[mlflow]\" / \"basetrainer[wandb]\")")

@@ -36,6 +36,9 @@ def runs(tmp_path_factory):
         "train": _start(["--train_data", train, "--test_data", val, "--net_type", "shufflenet_v2_x0_5",
                          "--num_epochs", "2", "--lr", "0.01", "--log_freq", "1", "--work_dir", work, *COMMON],
                         cwd=str(root)),
+        "fsdp": _start(["--train_data", train, "--test_data", val, "--net_type", "shufflenet_v2_x0_5",
+                        "--num_epochs", "2", "--lr", "0.01", "--work_dir", str(root / "fsdp"), "--distributed",
+                        "--strategy", "fsdp", *COMMON, "--gpu_id", "0", "1"], cwd=str(root)),
         "missing": _start(["--train_data", str(root / "no_such_folder"), "--work_dir", str(root / "w1"), *COMMON],
                           cwd=str(root)),
         "one_class": _start(["--train_data", one_class, "--work_dir", str(root / "w2"), *COMMON], cwd=str(root)),
@@ -87,6 +90,22 @@ def test_example_trains_and_writes_its_files(runs):
     assert saved["momentum"] == 0.9 and saved["scheduler"] == "cosine"   # from configs/config.yaml
     assert os.path.isfile(work / "log" / "train.log") and os.path.isfile(work / "log" / "history.png")
     assert "epoch 1/2 done" in open(work / "log" / "train.log").read()
+
+
+def test_example_trains_sharded_with_one_flag(runs):
+    root, results = runs
+    code, out = results["fsdp"]
+    assert code == 0, out
+    match = re.search(r"final test/Accuracy: (\d\.\d{4}) \(best (\d\.\d{4})\) after 2 epochs", out)
+    assert match, out
+    folder = root / "fsdp" / "model"
+    last = torch.load(folder / "last.pth", weights_only=True)
+    assert last["world_size"] == 2 and last["config"]["strategy"] == "fsdp"
+    assert sorted(os.listdir(folder / last["shards"])) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    best = glob.glob(str(folder / "best_model_*.pth"))
+    assert len(best) == 1   # the whole weights in one ordinary file, as under ddp
+    weights = torch.load(best[0], weights_only=True)
+    assert weights["fc.weight"].shape == (3, 1024) and all(isinstance(v, torch.Tensor) for v in weights.values())
 
 
 def test_missing_train_data_names_the_key(runs):

@@ -3,6 +3,7 @@ checkpoints that reshard to another world size, refuse planted code, survive a c
 save, and an elastic restart under torchrun."""
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,9 @@ EXACT_CASES = [  # (name, config overrides)
     ("fsdp_accumulate_clip", dict(strategy="fsdp", accumulate_steps=2, clip_grad_norm=0.5)),
     ("fsdp_activation_checkpointing", dict(strategy="fsdp", activation_checkpointing=True)),
     ("fsdp_no_reshard", dict(strategy="fsdp", reshard_after_forward=False)),
+    ("fsdp_bf16", dict(strategy="fsdp", amp="bf16")),   # bf16 compute, float32 reduction (gloo)
 ]
+APPROXIMATE = {"fsdp_bf16": 0.05}   # bf16 rounds differently in one process (autocast) and under FSDP
 
 
 def _train(rank, cases):
@@ -60,12 +63,13 @@ def test_fsdp_equals_one_process_and_ddp_on_uneven_data(tmp_path):
         assert rank["fsdp"]["local"] < 0.6 * total      # each rank holds about half the parameters
         for name, _ in EXACT_CASES:
             one, r = single[name], rank[name]
-            assert max_diff(one["weights"], r["weights"]) < 1e-5, name
-            assert max_diff(one["ema"], r["ema"]) < 1e-5, name
+            tol = APPROXIMATE.get(name, 1e-5)
+            assert max_diff(one["weights"], r["weights"]) < tol, name
+            assert max_diff(one["ema"], r["ema"]) < tol, name
             for a, b in zip(one["history"], r["history"]):
-                assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-5), name
+                assert b["train/loss"] == pytest.approx(a["train/loss"], abs=tol / 10), name
                 assert b["test/Accuracy"] == pytest.approx(a["test/Accuracy"], abs=1e-9), name
-                assert b["test/loss"] == pytest.approx(a["test/loss"], abs=1e-5), name
+                assert b["test/loss"] == pytest.approx(a["test/loss"], abs=tol / 10), name
         assert max_diff(rank["fsdp"]["weights"], rank["ddp"]["weights"]) < 1e-5
         for option in ("fsdp_activation_checkpointing", "fsdp_no_reshard"):
             assert max_diff(rank["fsdp"]["weights"], rank[option]["weights"]) < 1e-6, option
@@ -109,16 +113,19 @@ def _first_part(rank, runs):
 def _second_part(rank, runs):
     out = []
     for strategy, work, _ in runs:
-        t = BlockTrainer(_cfg(work, strategy, resume="auto"), callbacks=_callbacks(work))
+        callbacks = _callbacks(work)
+        t = BlockTrainer(_cfg(work, strategy, resume="auto"), callbacks=callbacks)
         t.run()
-        out.append(full_weights(t))
+        ema = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in callbacks[2].ema.items()}
+        out.append((full_weights(t), ema))
     return out
 
 
 def _reference(tmp_path):
-    t = BlockTrainer(_cfg(tmp_path / "reference", "ddp", distributed=False), callbacks=_callbacks(tmp_path / "reference"))
+    callbacks = _callbacks(tmp_path / "reference")
+    t = BlockTrainer(_cfg(tmp_path / "reference", "ddp", distributed=False), callbacks=callbacks)
     t.run()
-    return full_weights(t)
+    return full_weights(t), callbacks[2].ema
 
 
 @pytest.mark.parametrize("worlds", [(2, 1), (1, 3)])
@@ -128,6 +135,11 @@ def test_resume_on_another_world_size_continues_exactly(tmp_path, worlds):
             for strategy in ("fsdp", "ddp") for inside in (True, False)]
     before, after = worlds
     run_distributed(_first_part, before, tmp_path / "a", runs, timeout=300)
+    # and each kind of checkpoint taken up by the other strategy (a copy of the mid-epoch runs)
+    for strategy, work, inside in list(runs[::2]):
+        other = "ddp" if strategy == "fsdp" else "fsdp"
+        shutil.copytree(work, work + "_as_" + other)
+        runs.append((other, work + "_as_" + other, inside))
     # the sharded layout: a pointer file and one shard per rank
     state = checkpoint.load_file(os.path.join(runs[0][1], "model", "last.pth"))
     assert state["shards"].startswith(sharded.PREFIX) and state["world_size"] == before
@@ -136,10 +148,11 @@ def test_resume_on_another_world_size_continues_exactly(tmp_path, worlds):
     assert checkpoint.position(state) == (1, "train", 6)
     assert "shards" not in checkpoint.load_file(os.path.join(runs[2][1], "model", "last.pth"))   # ddp: one file
     resumed = run_distributed(_second_part, after, tmp_path / "b", runs, timeout=300)
-    reference = _reference(tmp_path)
+    reference, reference_ema = _reference(tmp_path)
     for rank in resumed:
-        for (strategy, work, inside), weights in zip(runs, rank):
-            assert max_diff(reference, weights) < 1e-5, (strategy, inside)
+        for (strategy, work, inside), (weights, ema) in zip(runs, rank):
+            assert max_diff(reference, weights) < 1e-5, (strategy, work)
+            assert max_diff(reference_ema, ema) < 1e-5, (strategy, work)   # sharded callback state too
 
 
 # ----------------------------------------------------------------------------- the files of a sharded run
@@ -162,6 +175,12 @@ def test_sharded_checkpoint_files_and_planted_code_is_refused(tmp_path):
     best = [n for n in os.listdir(folder) if n.startswith("best_model_")]
     assert len(best) == 1                                                  # one ordinary .pth, whole weights
     assert max_diff(torch.load(os.path.join(folder, best[0]), weights_only=True), weights) == 0.0
+
+    # one file from the shards, in a plain process (no process group), equal to the weights
+    one = subprocess.run([PY, "-m", "basetrainer.runtime.sharded", os.path.join(folder, "last.pth"),
+                          str(tmp_path / "one.pth")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert max_diff(torch.load(tmp_path / "one.pth", weights_only=True), weights) == 0.0
 
     # a .metadata that runs code when unpickled is refused, and the code never runs
     witness = tmp_path / "code_ran"

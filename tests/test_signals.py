@@ -50,14 +50,18 @@ SCRIPT = textwrap.dedent("""
     def main(work, workers, resume, pause):
         cfg = toy_cfg(num_epochs=int(os.environ.get("EPOCHS", "3")), batch_size=16, num_workers=workers,
                       work_dir=work, resume=resume,
-                      log_freq=2, distributed=os.environ.get("DDP") == "1")
+                      log_freq=2, distributed=os.environ.get("DDP") == "1",
+                      strategy=os.environ.get("STRATEGY", "ddp"))
         callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss")]
         if pause:
             callbacks.append(Pause())
         t = Trainer(cfg, callbacks=callbacks)
         t.run()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        weights = get_model_state_dict(t.unwrapped_model, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
         if t.rank == 0:
-            torch.save(t.unwrapped_model.state_dict(), os.path.join(work, "final.pt"))
+            torch.save(weights, os.path.join(work, "final.pt"))
 
     if __name__ == "__main__":
         work, workers, resume, pause = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
@@ -77,8 +81,9 @@ def script(tmp_path):
     return str(path)
 
 
-def _start(script, work, workers, resume="", pause=False, ddp=False):
-    env = dict(os.environ, DDP="1" if ddp else "0", PYTHONUNBUFFERED="1", EPOCHS="2" if ddp else "3")
+def _start(script, work, workers, resume="", pause=False, ddp=False, strategy="ddp"):
+    env = dict(os.environ, DDP="1" if ddp else "0", PYTHONUNBUFFERED="1", EPOCHS="2" if ddp else "3",
+               STRATEGY=strategy)
     return subprocess.Popen([PY, script, str(work), str(workers), resume, "1" if pause else "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)    # its own process group, as under SLURM
@@ -160,23 +165,25 @@ def test_sigint_to_the_process_group_exits_130(tmp_path, script):
     assert torch.load(work / "model" / "last.pth", weights_only=True)["batch"] == 3
 
 
-def test_sigterm_to_a_ddp_job_stops_every_rank_with_the_same_status(tmp_path, script):
+def test_sigterm_to_a_ddp_or_fsdp_job_stops_every_rank_with_the_same_status(tmp_path, script):
     code, _, err = _finish(_start(script, tmp_path / "ref", 2, ddp=True))
     assert code == 0, err[-3000:]
-    work = tmp_path / "run"
-    proc = _start(script, work, 2, pause=True, ddp=True)
-    _signal_group_when_ready(proc, work, signal.SIGTERM)
-    code, _, err = _finish(proc)
-    assert code == 128 + signal.SIGTERM, err[-3000:]     # the launcher, after every rank did the same
-    assert "DataLoader worker" not in err
-    state = torch.load(work / "model" / "last.pth", weights_only=True)
-    # the ranks agree at the next log point (log_freq=2): after step index 3
-    assert (state["epoch"], state["epoch_complete"], state["batch"]) == (1, False, 4)
-    assert not [p for p in _worker_pids(work) if _alive(p)]
-    code, _, err = _finish(_start(script, work, 2, resume="auto", ddp=True))
-    assert code == 0, err[-3000:]
-    _same(torch.load(tmp_path / "ref" / "final.pt", weights_only=True),
-          torch.load(work / "final.pt", weights_only=True), tol=1e-5)
+    for strategy in ("ddp", "fsdp"):   # fsdp: every rank writes its shards of the preemption checkpoint
+        work = tmp_path / strategy
+        proc = _start(script, work, 2, pause=True, ddp=True, strategy=strategy)
+        _signal_group_when_ready(proc, work, signal.SIGTERM)
+        code, _, err = _finish(proc)
+        assert code == 128 + signal.SIGTERM, err[-3000:]     # the launcher, after every rank did the same
+        assert "DataLoader worker" not in err
+        state = torch.load(work / "model" / "last.pth", weights_only=True)
+        # the ranks agree at the next log point (log_freq=2): after step index 3
+        assert (state["epoch"], state["epoch_complete"], state["batch"]) == (1, False, 4)
+        assert bool(state.get("shards")) == (strategy == "fsdp")
+        assert not [p for p in _worker_pids(work) if _alive(p)]
+        code, _, err = _finish(_start(script, work, 2, resume="auto", ddp=True, strategy=strategy))
+        assert code == 0, err[-3000:]
+        _same(torch.load(tmp_path / "ref" / "final.pt", weights_only=True),
+              torch.load(work / "final.pt", weights_only=True), tol=1e-5)
 
 
 def test_sigint_to_the_launcher_alone_is_passed_on_and_it_exits_130(tmp_path, script):

@@ -39,8 +39,8 @@ class ModelEMA(Callback):
         state = self._model().state_dict()
         if self.ema is None:
             self.ema = {k: v.detach().clone() for k, v in state.items()}
-        else:  # resumed: move to the model's device
-            self.ema = {k: self.ema[k].to(v.device) for k, v in state.items()}
+        else:  # resumed: on the model's device, sharded like it (a one-file checkpoint under fsdp)
+            self.ema = {k: _like(self.ema[k], v) for k, v in state.items()}
         keys = [k for k, v in state.items() if v.is_floating_point()]
         self._live = [state[k] for k in keys]
         self._avg = [self.ema[k] for k in keys]
@@ -71,3 +71,13 @@ class ModelEMA(Callback):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.ema = dict(state["ema"]) if state.get("ema") else None
+
+
+def _like(saved: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``saved`` on ``live``'s device, and sharded like it when ``live`` is a DTensor (FSDP)."""
+    mesh = getattr(live, "device_mesh", None)
+    if mesh is not None and getattr(saved, "device_mesh", None) is None:
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(saved.to(live.device), mesh, live.placements)
+    return saved.to(live.device)

@@ -303,3 +303,31 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
     if comm.is_main_process():
         rest["shards"] = name
         folder.commit(rest, background=False, path=path, weights=weights)
+
+
+# ----------------------------------------------------------------------------- one file
+def consolidate(last: str, out: str) -> str:
+    """Write the whole model weights of the sharded checkpoint ``last`` (its ``last.pth``) as
+    one ordinary ``.pth`` state dict (what ``finetune``, pruning and inference load), in one
+    process, without a process group. The shards' tensors are read whole, so this process
+    needs the model's weights in memory once (not the optimizer state).
+
+    Command line: ``python -m basetrainer.runtime.sharded <work_dir>/model/last.pth model.pth``.
+    """
+    from basetrainer.runtime.checkpoint import load_file
+
+    state = load_file(last)
+    if not isinstance(state, dict) or not state.get("shards"):
+        raise ValueError(f"{last!r} is not a sharded checkpoint (no 'shards' entry); a one-file checkpoint "
+                         f"already holds its weights under 'model'")
+    model_only = {"shards": state["shards"], "model": state["model"]}
+    weights = load(model_only, os.path.dirname(os.path.abspath(last)), mesh=None)["model"]
+    return atomic.write_atomically(weights, out)
+
+
+if __name__ == "__main__":   # pragma: no cover - exercised through a subprocess in the tests
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m basetrainer.runtime.sharded <sharded last.pth> <out.pth>")
+    print(consolidate(sys.argv[1], sys.argv[2]))

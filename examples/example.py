@@ -110,7 +110,8 @@ class ClassificationTrainer(trainer.EngineTrainer):
                                    loggers=cfg.loggers),   # tensorboard, csv, mlflow, wandb
             model_checkpoint.ModelCheckpoint(model=self.model, optimizer=self.optimizer, model_dir=cfg.model_root,
                                              epochs=cfg.num_epochs, start_save=cfg.start_save,
-                                             indicator="Accuracy", logger=self.logger),
+                                             indicator="Accuracy", logger=self.logger,
+                                             save_freq_steps=cfg.get("save_freq_steps", 0)),
         ]
 
 
@@ -160,6 +161,8 @@ def get_parser():
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars in a terminal or notebook (--no-progress to turn off)")
     parser.add_argument("--distributed", action="store_true", help="one process per gpu_id entry (DDP)")
+    parser.add_argument("--save_freq_steps", type=int, default=0,
+                        help="also write the resumable last.pth every N steps (0: at epoch ends only)")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
                         help="with --distributed: ddp (every process holds the model) or fsdp (sharded)")
     parser.add_argument("--loggers", nargs="+", default=["tensorboard", "csv"],

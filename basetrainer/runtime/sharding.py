@@ -8,7 +8,10 @@ weights are scattered into every rank's shard. Gradients are averaged like DDP's
 weighting of :mod:`basetrainer.engine.steps` makes an FSDP run equal to the one-process run.
 """
 import contextlib
+import ctypes
 import logging
+import os
+import sys
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
@@ -155,6 +158,8 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     from torch.distributed.fsdp import fully_shard
 
     amp = str(cfg.get("amp") or "none").lower()
+    if device.type == "cpu":
+        _return_freed_blocks()
     blocks = blocks_to_wrap(model, cfg.get("fsdp_wrap") or None, policy)
     full = _full_weights(model) if comm.get_rank() == 0 else None
     model.to(torch.device("meta"))   # rank 0 too: the weights come back as shards, one tensor at a time
@@ -173,6 +178,29 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     return model
 
 
+MMAP_THRESHOLD = 1 << 20
+
+
+def _return_freed_blocks() -> None:
+    """On the CPU, have glibc give blocks of 1 MiB and more back to the system when freed.
+
+    FSDP all-gathers and frees each block's parameters and gradients at every step. glibc's
+    mmap threshold, by default, rises to the size of each large block freed (up to 32 MiB), so
+    those blocks then come from the heap, which fragments and keeps them: measured with
+    bench/bench_fsdp.py (50 M parameters, AdamW, 2 processes), fsdp's peak RSS was 1.45x ddp's
+    instead of the 0.5x sharding gives. A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, as
+    the environment variable ``MALLOC_MMAP_THRESHOLD_`` does) keeps it flat. A threshold the
+    user set in the environment is left alone; other C libraries are left alone.
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        logger.debug("mallopt is not available: glibc's mmap threshold left as it is")
+
+
 def _full_weights(model: nn.Module) -> dict:
     """Rank 0's parameters and buffers by name, before sharding replaces them."""
     out = dict(model.named_parameters())
@@ -181,8 +209,9 @@ def _full_weights(model: nn.Module) -> dict:
 
 
 def _scatter_from_rank0(model: nn.Module, full: Optional[dict], device: torch.device) -> None:
-    """Give every rank its shard of rank 0's weights (a scatter per parameter: no rank but 0
-    ever holds a whole one) and rank 0's buffers (a broadcast)."""
+    """Give every rank its shard of rank 0's weights (a scatter per parameter, one at a time;
+    the other ranks pass an uninitialised full-size buffer, which ``distribute_tensor`` needs
+    for the shape and never fills) and rank 0's buffers (a broadcast)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 

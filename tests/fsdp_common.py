@@ -31,14 +31,30 @@ class BlockNet(nn.Module):
         return self.head(self.blocks(torch.relu(self.stem(x))))
 
 
+class TiedNet(nn.Module):
+    """Blocks between an input projection and an output projection that share one weight."""
+
+    def __init__(self, num_classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16, bias=False)
+        self.blocks = nn.Sequential(*[Block(16) for _ in range(2)])
+        self.unstem = nn.Linear(16, 16, bias=False)
+        self.unstem.weight = self.stem.weight
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.unstem(self.blocks(self.stem(x)))))
+
+
 class BlockTrainer(ToyTrainer):
     def build_model(self, cfg, **kwargs):
         torch.manual_seed(cfg.seed)
-        return self.build_model_parallel(BlockNet(), cfg.gpu_id, distributed=cfg.distributed)
+        model = TiedNet() if cfg.get("net") == "tied" else BlockNet()
+        return self.build_model_parallel(model, cfg.gpu_id, distributed=cfg.distributed)
 
 
 def fsdp_cfg(**overrides: Any):
-    base = dict(num_epochs=3, n_train=251, n_test=37, batch_size=30, lr=0.2, momentum=0.9,
+    base = dict(num_epochs=3, n_train=251, n_test=31, batch_size=30, lr=0.2, momentum=0.9,
                 distributed=comm.is_dist())
     base.update(overrides)
     return toy_cfg(**base)

@@ -35,6 +35,7 @@ EXACT_CASES = [  # (name, config overrides)
     ("fsdp_activation_checkpointing", dict(strategy="fsdp", activation_checkpointing=True)),
     ("fsdp_no_reshard", dict(strategy="fsdp", reshard_after_forward=False)),
     ("fsdp_bf16", dict(strategy="fsdp", amp="bf16")),   # bf16 compute, float32 reduction (gloo)
+    ("fsdp_tied", dict(strategy="fsdp", net="tied", lr=0.02)),    # a weight shared by two layers stays shared
 ]
 APPROXIMATE = {"fsdp_bf16": 0.05}   # bf16 rounds differently in one process (autocast) and under FSDP
 
@@ -49,7 +50,9 @@ def _train(rank, cases):
         out[name] = {"weights": full_weights(t), "history": history.epochs, "ema": ema_full,
                      "sharded": sharding.is_fsdp(t.model),
                      "local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                  for p in t.model.parameters())}
+                                  for p in t.model.parameters()),
+                     "tied": (t.unwrapped_model.stem.weight is t.unwrapped_model.unstem.weight
+                              if over.get("net") == "tied" else None)}
     return out
 
 
@@ -70,6 +73,7 @@ def test_fsdp_equals_one_process_and_ddp_on_uneven_data(tmp_path):
                 assert b["train/loss"] == pytest.approx(a["train/loss"], abs=tol / 10), name
                 assert b["test/Accuracy"] == pytest.approx(a["test/Accuracy"], abs=1e-9), name
                 assert b["test/loss"] == pytest.approx(a["test/loss"], abs=tol / 10), name
+        assert rank["fsdp_tied"]["tied"] is True and rank["fsdp_tied"]["sharded"]
         assert max_diff(rank["fsdp"]["weights"], rank["ddp"]["weights"]) < 1e-5
         for option in ("fsdp_activation_checkpointing", "fsdp_no_reshard"):
             assert max_diff(rank["fsdp"]["weights"], rank[option]["weights"]) < 1e-6, option
@@ -182,6 +186,20 @@ def test_sharded_checkpoint_files_and_planted_code_is_refused(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     assert max_diff(torch.load(tmp_path / "one.pth", weights_only=True), weights) == 0.0
 
+    # a damaged shard (same size, bytes overwritten) is found at resume: it falls back to last.prev.pth
+    shard = os.path.join(folder, last["shards"], "__1_0.distcp")
+    original = open(shard, "rb").read()
+    with open(shard, "r+b") as f:
+        f.seek(len(original) // 2)
+        f.write(b"\0" * 64)
+    path, _ = checkpoint.CheckpointFolder(folder).find_resumable()
+    assert path.endswith("last.prev.pth")
+    with open(shard, "wb") as f:
+        f.write(original)
+    assert checkpoint.CheckpointFolder(folder).find_resumable()[0].endswith("last.pth")
+    with pytest.raises(ValueError, match="sharded checkpoint's last.pth.*python -m basetrainer.runtime.sharded"):
+        checkpoint.extract_state_dict(last, source=os.path.join(folder, "last.pth"))   # e.g. finetune: last.pth
+
     # a .metadata that runs code when unpickled is refused, and the code never runs
     witness = tmp_path / "code_ran"
 
@@ -201,6 +219,48 @@ def test_sharded_checkpoint_files_and_planted_code_is_refused(tmp_path):
     assert witness.exists()
 
 
+class WithUnused(BlockNet):
+    """A head that never gets a gradient (so the optimizer holds no state for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(24, 2)
+
+
+class UnusedTrainer(BlockTrainer):
+    def build_model(self, cfg, **kwargs):
+        torch.manual_seed(cfg.seed)
+        return self.build_model_parallel(WithUnused(), cfg.gpu_id, distributed=cfg.distributed)
+
+    def build_optimizer(self, cfg, **kwargs):
+        return torch.optim.Adam(self.model.parameters(), lr=0.01)
+
+
+class Snapshot(Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.trainer.save_checkpoint(path=os.path.join(self.trainer.cfg.work_dir, "model", "snapshot.pth"))
+
+
+def _snapshot_and_resume(rank, work):
+    t = UnusedTrainer(_cfg(work, "fsdp", num_epochs=2), callbacks=_callbacks(work) + [Snapshot()])
+    t.run()
+    # the snapshot's shards outlive the later saves; a new run resumes from it (Adam has no
+    # state for the unused head, which must not stop the load)
+    resumed = UnusedTrainer(_cfg(work + "_from_snapshot", "fsdp", num_epochs=2, resume=os.path.join(
+        work, "model", "snapshot.pth")), callbacks=_callbacks(work + "_from_snapshot"))
+    resumed.run()
+    return full_weights(t), full_weights(resumed), resumed.global_step
+
+
+def test_a_snapshot_outlives_later_saves_and_a_parameter_without_state_resumes(tmp_path):
+    work = str(tmp_path / "run")
+    first, second, steps = run_distributed(_snapshot_and_resume, 2, tmp_path, work, timeout=300)[0]
+    snapshot = checkpoint.load_file(os.path.join(work, "model", "snapshot.pth"))
+    assert checkpoint.position(snapshot)[0] == 0 and snapshot["shards"].startswith("snapshot.pth-shards-")
+    assert steps == 2 * 9 and max_diff(first, second) < 1e-6   # trained on from epoch 0's end, to the same weights
+
+
 def test_wrap_choice_and_clear_errors():
     resnet = torchvision.models.resnet18(weights=None)
     assert {type(m).__name__ for m in sharding.blocks_to_wrap(resnet)} == {"BasicBlock"}
@@ -211,6 +271,10 @@ def test_wrap_choice_and_clear_errors():
     assert len(sharding.blocks_to_wrap(BlockNet(), policy=lambda m: isinstance(m, nn.Linear))) == 5
     with pytest.raises(ValueError, match="fsdp_wrap.*'Blok'.*match no module class"):
         sharding.blocks_to_wrap(BlockNet(), wrap=["Blok"])
+    tied = BlockNet()
+    tied.blocks[1].fc.weight = tied.blocks[0].fc.weight     # shared by two blocks: sharded apart
+    with pytest.raises(ValueError, match=r"blocks.0.fc.weight.*blocks.1.fc.weight.*tied.*fsdp_wrap"):
+        sharding._tied(tied, sharding.blocks_to_wrap(tied))
     with pytest.raises(ValueError, match="no process group|none is initialised"):
         BlockTrainer(fsdp_cfg(strategy="fsdp"))
     with pytest.raises(ValueError, match="DataParallel"):
@@ -219,6 +283,15 @@ def test_wrap_choice_and_clear_errors():
         BlockTrainer(fsdp_cfg(strategy="fsdp", amp="fp16"))
     with pytest.raises(ValueError, match="sync_bn"):
         BlockTrainer(fsdp_cfg(strategy="fsdp", sync_bn=True))
+    # a full disk during a sharded save: DCP keeps each rank's error in its exception's failures
+    from torch.distributed.checkpoint.api import CheckpointException
+    from basetrainer.runtime import atomic
+    import errno
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert atomic.space_error(CheckpointException("save failed", {1: (full, None)})) is full
+    assert atomic.space_error(CheckpointException("save failed", {0: (RuntimeError("x"), None)})) is None
+    with pytest.raises(ValueError, match="use_prune.*strategy: ddp"):
+        BlockTrainer(fsdp_cfg(strategy="fsdp", use_prune=True))
     with pytest.raises(ValueError, match="'strategy' = 'zero3'"):
         BlockTrainer(fsdp_cfg(strategy="zero3"))
 

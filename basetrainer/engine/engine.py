@@ -235,8 +235,8 @@ class Engine(RunState):
         if isinstance(wrapped, nn.parallel.DistributedDataParallel):
             self.model = wrapped.module
         self.model.eval()
+        most, done = sharding.most_test_batches(self), 0   # FSDP: every rank forwards as often
         try:
-            done = 0
             for done, data in enumerate(preemption.start(self.test_loader), start=1):
                 batch = done - 1
                 data = self.to_device(data)
@@ -247,7 +247,7 @@ class Engine(RunState):
                 # hold different numbers of test batches, so DDP stops at the epoch's end
                 if self._preemption.requested and comm.get_world_size() == 1:
                     self.preempt(f"epoch {epoch}, test batch {batch + 1}")
-            sharding.even_out_test_forwards(self, done)   # FSDP: as many forwards on every rank
+            sharding.even_out_test_forwards(self, most - done)
         finally:
             self.model = wrapped
 

@@ -166,6 +166,10 @@ def space_error(exc: BaseException) -> Optional[OSError]:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
             return exc
+        for failure in (getattr(exc, "failures", None) or {}).values():   # DCP: each rank's error
+            found = space_error(failure[0] if isinstance(failure, tuple) else failure)
+            if found is not None:
+                return found
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -64,6 +64,10 @@ def extract_state_dict(obj: Any, source: str = "checkpoint") -> Dict[str, torch.
     elif isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        if isinstance(obj, dict) and any(isinstance(v, str) and v.startswith(sharded.MARKER) for v in obj.values()):
+            raise ValueError(f"{source} is a sharded checkpoint's last.pth (its tensors are in its shard folder): "
+                             f"load a best/per-epoch weights file, or make one file of it with "
+                             f"python -m basetrainer.runtime.sharded <its last.pth> <out.pth>")
         raise ValueError(f"{source} does not hold a model state_dict (a dict of tensors)")
     if obj and all(k.startswith("module.") for k in obj):
         obj = {k[len("module."):]: v for k, v in obj.items()}
@@ -383,7 +387,8 @@ class CheckpointFolder:
                 self.committed = what
             for cleanup in cleanups:
                 cleanup()
-            if target == self.last and saved.get("shards"):   # shard folders no last refers to any more
+            if target == self.last and (saved.get("shards") or sharded.has_shard_folders(self.folder)):
+                # shard folders no last refers to any more (also after a switch from fsdp to ddp)
                 sharded.remove_unreferenced(self.folder, sharded.referenced(self.folder, (LAST, PREVIOUS)))
 
         if background:

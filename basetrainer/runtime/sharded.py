@@ -74,6 +74,9 @@ def read_metadata(folder: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     path = os.path.join(folder, ".metadata")
+    if not os.path.isdir(folder):
+        raise ValueError(f"the shard folder {folder!r} is missing: a sharded last.pth holds only a pointer to it; "
+                         f"copy or move the folder together with last.pth")
     if not os.path.isfile(path):
         raise ValueError(f"sharded checkpoint {folder!r} has no .metadata (its save did not finish)")
     with open(path, "rb") as f:
@@ -175,9 +178,12 @@ def join(rest: Any, tensors: Dict[str, Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------- saving
-def new_name(step: int) -> str:
-    """A fresh shard folder name (rank 0 picks it; every rank receives it)."""
-    return comm.broadcast_object(f"{PREFIX}{int(step):08d}-{uuid.uuid4().hex[:8]}" if comm.is_main_process() else None)
+def new_name(step: int, path: Optional[str] = None) -> str:
+    """A fresh shard folder name (rank 0 picks it; every rank receives it): ``last-shards-...``
+    for ``last.pth``, which saves clean up after; ``<name>-shards-...`` for a save to another
+    ``path`` (a snapshot: kept)."""
+    stem = PREFIX if path is None or os.path.basename(path) == "last.pth" else os.path.basename(path) + "-shards-"
+    return comm.broadcast_object(f"{stem}{int(step):08d}-{uuid.uuid4().hex[:8]}" if comm.is_main_process() else None)
 
 
 def non_finite_local(tensors: Dict[str, Any]) -> List[str]:
@@ -230,6 +236,10 @@ def referenced(folder: str, names: Tuple[str, ...]) -> List[str]:
     return found
 
 
+def has_shard_folders(folder: str) -> bool:
+    return os.path.isdir(folder) and any(n.startswith(PREFIX) for n in os.listdir(folder))
+
+
 def remove_unreferenced(folder: str, keep: List[str]) -> None:
     """Delete the shard folders of ``folder`` that no ``last`` refers to (main process)."""
     for name in os.listdir(folder):
@@ -239,12 +249,29 @@ def remove_unreferenced(folder: str, keep: List[str]) -> None:
 
 # ----------------------------------------------------------------------------- loading
 def check(state: dict, folder: str) -> None:
-    """Raise ValueError when the shards ``state`` refers to are missing, damaged or unsafe."""
+    """Raise ValueError when the shards ``state`` refers to are missing, damaged or unsafe:
+    the metadata is read safely and every stored tensor is loaded (``weights_only``, one at a
+    time) and checked to be finite."""
+    from basetrainer.runtime.checkpoint import non_finite
+
     shards = os.path.join(folder, str(state["shards"]))
     metadata = read_metadata(shards)
     absent = [k for k in markers(state) if k not in metadata.state_dict_metadata]
     if absent:
         raise ValueError(f"sharded checkpoint {shards!r} lacks {absent[:3]}")
+    for index, item in (metadata.storage_data or {}).items():
+        with open(os.path.join(shards, str(item.relative_path)), "rb") as f:
+            f.seek(item.offset)
+            data = f.read(item.length)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"sharded checkpoint {shards!r}: {item.relative_path} is damaged ({index.fqn}: "
+                             f"{type(e).__name__})") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise UnsafeCheckpointError(f"refused to load {shards!r}: {index.fqn} is not a tensor")
+        if non_finite({index.fqn: tensor}):
+            raise ValueError(f"sharded checkpoint {shards!r} holds non-finite values in {index.fqn}")
 
 
 def load(state: dict, folder: str, mesh: Any = None) -> dict:
@@ -297,7 +324,7 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
     if need_full:
         weights = get_model_state_dict(engine.unwrapped_model,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    name = new_name(engine.global_step)
+    name = new_name(engine.global_step, path)
     os.makedirs(folder.folder, exist_ok=True)
     write_shards(tensors, os.path.join(folder.folder, name))
     if comm.is_main_process():
@@ -316,6 +343,8 @@ def consolidate(last: str, out: str) -> str:
     """
     from basetrainer.runtime.checkpoint import load_file
 
+    if os.path.isdir(last):   # a checkpoint folder: its last.pth
+        last = os.path.join(last, "last.pth")
     state = load_file(last)
     if not isinstance(state, dict) or not state.get("shards"):
         raise ValueError(f"{last!r} is not a sharded checkpoint (no 'shards' entry); a one-file checkpoint "
@@ -329,5 +358,8 @@ if __name__ == "__main__":   # pragma: no cover - exercised through a subprocess
     import sys
 
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m basetrainer.runtime.sharded <sharded last.pth> <out.pth>")
-    print(consolidate(sys.argv[1], sys.argv[2]))
+        sys.exit("usage: python -m basetrainer.runtime.sharded <sharded last.pth, or its folder> <out.pth>")
+    try:
+        print(consolidate(sys.argv[1], sys.argv[2]))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")

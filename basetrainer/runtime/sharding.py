@@ -67,6 +67,10 @@ def check_config(cfg: Any, device: torch.device, amp: str) -> None:
                          "replace BatchNorm by GroupNorm/LayerNorm")
     if cfg.get("compile"):
         raise ValueError("compile: true is not supported with strategy: fsdp here: set compile: false")
+    if cfg.get("use_prune"):
+        raise ValueError("use_prune: true is not supported with strategy: fsdp (pruning needs the whole model on "
+                         "every rank): prune with strategy: ddp or in one process, then train the pruned model "
+                         "under fsdp")
     if not comm.is_dist():
         several = len(cfg.get("gpu_id") or []) > 1 and not cfg.get("distributed")
         raise ValueError("strategy: fsdp shards the model over the processes of a process group, and none is "
@@ -161,8 +165,10 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     if device.type == "cpu":
         _return_freed_blocks()
     blocks = blocks_to_wrap(model, cfg.get("fsdp_wrap") or None, policy)
+    ties = _tied(model, blocks)
     full = _full_weights(model) if comm.get_rank() == 0 else None
     model.to(torch.device("meta"))   # rank 0 too: the weights come back as shards, one tensor at a time
+    _retie(model, ties)              # .to() made one parameter of each name
     if cfg.get("activation_checkpointing"):
         _checkpoint_activations(model, blocks)
     mesh = init_device_mesh(device.type, (comm.get_world_size(),))
@@ -199,6 +205,36 @@ def _return_freed_blocks() -> None:
         libc.mallopt(-3, MMAP_THRESHOLD)   # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         logger.debug("mallopt is not available: glibc's mmap threshold left as it is")
+
+
+def _tied(model: nn.Module, blocks: List[nn.Module]) -> List[List[str]]:
+    """Names of the parameters shared by several modules (tied weights), one list per
+    parameter; each must lie in one sharded unit (one block, or outside every block).
+
+    Raises:
+        ValueError: a parameter is shared by two blocks, or by a block and the rest of the model.
+    """
+    groups: dict = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    block_names = {id(m): n for n, m in model.named_modules() if any(m is b for b in blocks)}
+    prefixes = sorted(block_names.values(), key=len, reverse=True)
+    ties = [names for names in groups.values() if len(names) > 1]
+    for names in ties:
+        units = {next((p for p in prefixes if n.startswith(p + ".")), "<root>") for n in names}
+        if len(units) > 1:
+            raise ValueError(f"strategy: fsdp: the parameters {names} are one tied parameter shared by "
+                             f"{sorted(units)}, which are sharded separately; choose blocks that keep it in "
+                             f"one of them (fsdp_wrap or wrap_policy), or untie it")
+    return ties
+
+
+def _retie(model: nn.Module, ties: List[List[str]]) -> None:
+    for names in ties:
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, shared)
 
 
 def _full_weights(model: nn.Module) -> dict:
@@ -288,17 +324,24 @@ def load_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], sta
         groups = saved.get("param_groups") or [{}]
         if full and any(isinstance(i, int) for i in groups[0].get("params", [])):   # optimizer.state_dict()
             saved = _by_name(model, optimizer, saved)
-        set_optimizer_state_dict(model, optimizer, saved, options=options)
+        # a parameter that never had a gradient (an unused head) has no state: as load_state_dict
+        set_optimizer_state_dict(model, optimizer, saved,
+                                 options=StateDictOptions(full_state_dict=full, strict=False))
 
 
-def even_out_test_forwards(engine: Any, done: int) -> None:
-    """FSDP: every forward all-gathers parameters with the other ranks, and exact test sharding
-    gives ranks different numbers of batches; a rank that ran fewer forwards a placeholder batch
-    (one sample of the data set, outputs unused) until all ran as many."""
+def most_test_batches(engine: Any) -> int:
+    """FSDP: the most test batches any rank holds (asked before any test forward: every
+    forward all-gathers with the other ranks). Other models: 0 (nothing to even out)."""
     if not is_fsdp(engine.model) or comm.get_world_size() == 1:
-        return
-    most = max(comm.all_gather_object(done))
-    if most <= done:
+        return 0
+    return max(comm.all_gather_object(len(engine.test_loader)))
+
+
+def even_out_test_forwards(engine: Any, missing: int) -> None:
+    """FSDP: every forward all-gathers parameters with the other ranks, and exact test sharding
+    gives ranks different numbers of batches; a rank with fewer runs ``missing`` forwards of a
+    placeholder batch (one sample of the data set, outputs unused), so all run as many."""
+    if missing <= 0:
         return
     batch = None
     for loader in (engine.test_loader, engine.train_loader):
@@ -309,6 +352,6 @@ def even_out_test_forwards(engine: Any, done: int) -> None:
     if batch is None:
         raise RuntimeError("strategy: fsdp: this rank has fewer test batches than the others and no sample "
                            "to run in their place (a data set without len() or collate_fn)")
-    for _ in range(most - done):
+    for _ in range(missing):
         with engine.autocast():
             engine.run_step(batch)

@@ -43,7 +43,7 @@ APPROXIMATE = {"fsdp_bf16": 0.05}   # bf16 rounds differently in one process (au
 def _train(rank, cases):
     out = {}
     for name, over in cases:
-        ema = ModelEMA(decay=0.9, evaluate=False)
+        ema = ModelEMA(decay=0.9, evaluate=True)   # the test phase runs on the (sharded) average
         t = BlockTrainer(fsdp_cfg(**over), callbacks=[LossesRecorder(), AccuracyRecorder(), ema])
         history = t.run()
         ema_full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ema.ema.items()}

@@ -212,7 +212,7 @@ class EngineTrainer(Engine):
         blocks: ``wrap_policy``, else ``fsdp_wrap``, else the model's repeated blocks).
         """
         gpu_id = list(kwargs.pop("device_ids", None) or (self.gpu_id if gpu_id is None else gpu_id) or [])
-        if self.strategy == "fsdp" and distributed is not False:
+        if self.strategy == "fsdp":   # a process group exists (checked at __init__); ranks > 0 built on meta
             if self.channels_last:
                 model = model.to(memory_format=torch.channels_last)
             return sharding.shard(model, self.device, self.cfg, policy=self.wrap_policy)

@@ -179,7 +179,7 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Any, *args: Any, ti
     result_dir = str(tmp_path / f"dist_results_{fn.__name__}")
     os.makedirs(result_dir, exist_ok=True)
     ctx = mp.start_processes(_dist_entry, args=(fn, world_size, free_port(), args, result_dir), nprocs=world_size,
-                             join=False, start_method="spawn")
+                             join=False, start_method="forkserver")
     import time
     deadline = time.monotonic() + timeout
     try:
@@ -202,3 +202,14 @@ def recorder() -> Recorder:
 
 def pytest_report_header(config: Any) -> str:
     return f"basetrainer {basetrainer.__version__} from {os.path.dirname(basetrainer.__file__)}"
+
+
+def _preload_forkserver() -> None:
+    """run_distributed starts its ranks from a fork server that imported torch and this file
+    once (each spawned rank would import them again: about 3 s of every multi-process test)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "conftest", "basetrainer.engine.trainer"])
+
+
+_preload_forkserver()

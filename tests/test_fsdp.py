@@ -140,7 +140,7 @@ def test_resume_on_another_world_size_continues_exactly(tmp_path, worlds):
     before, after = worlds
     run_distributed(_first_part, before, tmp_path / "a", runs, timeout=300)
     # and each kind of checkpoint taken up by the other strategy (a copy of the mid-epoch runs)
-    for strategy, work, inside in list(runs[::2]):
+    for strategy, work, inside in (list(runs[::2]) if after == 1 else []):
         other = "ddp" if strategy == "fsdp" else "fsdp"
         shutil.copytree(work, work + "_as_" + other)
         runs.append((other, work + "_as_" + other, inside))

@@ -343,6 +343,10 @@ class CheckpointFolder:
             self._cleanups.append(cleanup)
         self._foreground = self._foreground or not background
 
+    def discard_staged(self) -> None:
+        """Forget what saves staged (a save that is refused writes none of it)."""
+        self._writes, self._cleanups, self._foreground = [], [], False
+
     @property
     def has_staged(self) -> bool:
         return bool(self._writes or self._cleanups)
@@ -360,7 +364,7 @@ class CheckpointFolder:
         """
         bad = non_finite(state["model"])
         if bad:
-            self._writes, self._cleanups = [], []
+            self.discard_staged()
             raise FloatingPointError(f"refusing to save {describe(state)}: non-finite weights in "
                                      f"{', '.join(bad[:5])}; the previous checkpoint in {self.folder} is kept")
         writes, cleanups = self._writes, self._cleanups

@@ -201,10 +201,7 @@ def write_shards(tensors: Dict[str, Any], folder: str) -> None:
     fsynced, and the folder too, before this returns on any rank."""
     import torch.distributed.checkpoint as dcp
 
-    if comm.is_main_process() and os.path.exists(folder):   # a killed save's leftovers: never referenced
-        shutil.rmtree(folder, ignore_errors=True)
-    comm.synchronize()
-    try:
+    try:   # the name is new (step + a random id): no earlier save wrote there
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
     except Exception as e:
         space = atomic.space_error(e)
@@ -316,7 +313,7 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
     rest, tensors = split(state)
     bad = non_finite_local(tensors)
     if bad:
-        folder._writes, folder._cleanups = [], []
+        folder.discard_staged()
         raise FloatingPointError(f"refusing to save {describe(state)}: non-finite weights in {', '.join(bad[:5])}; "
                                  f"the previous checkpoint in {folder.folder} is kept")
     need_full = comm.broadcast_object(folder.has_staged if comm.is_main_process() else None)
@@ -357,9 +354,10 @@ def consolidate(last: str, out: str) -> str:
 if __name__ == "__main__":   # pragma: no cover - exercised through a subprocess in the tests
     import sys
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if len(sys.argv) != 3:
         sys.exit("usage: python -m basetrainer.runtime.sharded <sharded last.pth, or its folder> <out.pth>")
     try:
-        print(consolidate(sys.argv[1], sys.argv[2]))
+        logger.info("wrote %s", consolidate(sys.argv[1], sys.argv[2]))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")

@@ -48,6 +48,13 @@ OTHER_CASES = ("imports", "data", "costs")
 GROUPS = {"tiny": ("tiny_off", "tiny_on"), "resnet18": ("resnet18_off", "resnet18_on"), "resnet": ("resnet18_off",
           "resnet18_on"), "all": LOOP_CASES + OTHER_CASES}
 TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on": 1.02, "ddp": 1.05}
+# glibc's malloc moves its mmap threshold up to the size of each large block freed (and its trim
+# threshold with it), so how fast an epoch allocates depends on what the process freed before:
+# 8 resnet18 steps took 0.86 s or 0.68 s on the 2-core machine depending only on whether 90 MB
+# of tensors had just been freed. Both contenders run in one process, one after the other, so
+# that history lands on whichever runs next. Fixed thresholds (the values the dynamic ones reach
+# on 64-bit glibc) make every run start from the same allocator behaviour.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 
 
 def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
@@ -175,6 +182,11 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
                         help="run nothing: print and write (--out) the figures of earlier --json files (the "
                              "sections of later files are added to, or replace, those of the first)")
+    parser.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
+                        help="fixed (default): glibc's mmap and trim thresholds fixed for this process and "
+                             "the DDP processes (MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=64 MiB; "
+                             "the benchmark restarts itself with them), so no run inherits the allocator "
+                             "state of the one before; default: glibc's adaptive thresholds")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads in single-process cases (default 1: stable on a shared 2-core "
                              "machine; DDP processes always use 1)")
@@ -192,6 +204,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """
     argv = sys.argv[1:] if argv is None else argv
     args = get_parser().parse_args(argv)
+    if args.malloc == "fixed" and not args.render and any(os.environ.get(k) != v for k, v in FIXED_MALLOC.items()):
+        # glibc reads these when the process starts: start again with them (DDP processes inherit them)
+        os.environ.update(FIXED_MALLOC)
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)] + list(argv))
     cases = selected_cases(args.cases)
     torch.set_num_threads(args.threads)
     logging.getLogger("basetrainer").setLevel(logging.ERROR)  # e.g. "no CUDA device" from launch
@@ -207,6 +223,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     specs = plan(args.quick)
     results: Dict[str, Any] = {"machine": report.machine_info(args.threads), "cases": {}, "specs": {},
                                "quick": args.quick}
+    results["machine"]["malloc"] = (", ".join(f"{k}={os.environ.get(k)}" for k in FIXED_MALLOC)
+                                    if args.malloc == "fixed" else "glibc's adaptive thresholds")
     say(f"bench_loop: {', '.join(cases)} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
         f"torch {results['machine']['torch']}, load {results['machine']['load_start']:.1f}")
     for name in cases:

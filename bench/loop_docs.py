@@ -35,6 +35,7 @@ figures below come from `{command}`{" (a quick run: fewer, shorter repeats)" if 
 | CPU | {info['cpu']} |
 | cores | {info['cores']} |
 | torch threads per process | {info['threads']} |
+| malloc | {info.get('malloc', "glibc's adaptive thresholds")} |
 | torch / torchvision / Python | {info['torch']} / {info['torchvision']} / {info['python']} |
 | library state | {info['library']} |
 | date | {info['date']} |
@@ -58,7 +59,12 @@ How it is measured:
   pair first warms both up and checks equality (with callbacks off, basetrainer gets a
   LossesRecorder for that pair only). Single-process cases use {info['threads']} torch thread(s):
   on a 2-core machine shared with other jobs, two intra-op threads make epoch times swing by
-  several times. *ratio B/H (median)* is the median over repeats
+  several times. glibc's malloc moves its mmap and trim thresholds to the largest block freed
+  so far, so a run's allocation cost depends on what the process freed before it (8 resnet18
+  steps: 0.86 s or 0.68 s, depending only on whether 90 MB had just been freed); unless
+  `--malloc default` is given the benchmark fixes both thresholds (the *malloc* row above) for
+  itself and the DDP processes, so that each contender starts from the same allocator
+  behaviour. *ratio B/H (median)* is the median over repeats
   of the paired ratio of the run's epoch time; *ratio (best runs)* is the fastest B run over
   the fastest H run (the least disturbed by other load); *overhead us/step* = (median B - median
   H) / steps per epoch.

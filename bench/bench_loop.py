@@ -52,8 +52,8 @@ TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on
 # threshold with it), so how fast an epoch allocates depends on what the process freed before:
 # 8 resnet18 steps took 0.86 s or 0.68 s on the 2-core machine depending only on whether 90 MB
 # of tensors had just been freed. Both contenders run in one process, one after the other, so
-# that history lands on whichever runs next. Fixed thresholds (the values the dynamic ones reach
-# on 64-bit glibc) make every run start from the same allocator behaviour.
+# that history lands on whichever runs next. Fixed thresholds (the most the adaptive ones
+# can reach on 64-bit glibc) make every run start from the same allocator behaviour.
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 
 

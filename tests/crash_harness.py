@@ -1,9 +1,9 @@
 """Runs toy trainings that die at an exact file-write boundary, for tests/test_crash_safety.py.
 
 Usage: ``python crash_harness.py cases.json``. Each case is a dict (see :func:`train`); the
-harness imports torch and basetrainer once, then forks one child per case, so a case costs a
-fraction of a second. The parent process runs no torch operation (a fork after one could hang
-the child's thread pool).
+harness imports torch and basetrainer once, then forks one child per case (as many at once as
+there are cores, up to 4), so a case costs a fraction of a second. The parent process runs no
+torch operation (a fork after one could hang the child's thread pool).
 
 A case may name ``kill_at``: the index of the write event at which the child SIGKILLs itself.
 Write events are counted in order over the whole run: ``open`` (a temp file is about to be
@@ -123,7 +123,8 @@ def train(case):
                os.path.join(work, f"final{case.get('tag', '')}.pt"))
 
 
-def run_case(case):
+def start_case(case):
+    """Fork a child that trains ``case``; returns its pid."""
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -137,14 +138,34 @@ def run_case(case):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    return pid
+
+
+def exit_code(status):
+    """A child's exit code; minus the signal's number when a signal ended it."""
     if os.WIFSIGNALED(status):
         return -os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
 
 
+def run_cases(cases, parallel):
+    """Every case's exit code, in order; up to ``parallel`` children at once (each case has its
+    own work folder and counts its own write events, so they do not affect each other)."""
+    codes = [None] * len(cases)
+    running = {}
+    for i, case in enumerate(cases):
+        if len(running) >= parallel:
+            pid, status = os.wait()
+            codes[running.pop(pid)] = exit_code(status)
+        running[start_case(case)] = i
+    while running:
+        pid, status = os.wait()
+        codes[running.pop(pid)] = exit_code(status)
+    return codes
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         cases = json.load(f)
-    codes = [run_case(case) for case in cases]
-    print(json.dumps(codes))
+    # one torch thread per child: as many children as cores (2 on CI)
+    print(json.dumps(run_cases(cases, max(1, min(4, os.cpu_count() or 1)))))

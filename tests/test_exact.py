@@ -188,24 +188,35 @@ def _history(work):
         return [{k: v for k, v in row.items() if k != "epoch_time"} for row in csv.DictReader(f)]
 
 
-@pytest.mark.parametrize("workers,persistent", [(0, True), (2, True), (2, False)])
-def test_sigkill_mid_epoch_with_random_augmentation_resumes_exactly(tmp_path, script, workers, persistent):
-    ref = _run(script, tmp_path / "ref", workers, persistent)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, script):
+    """The augmenting script's run with no kill and no workers: every run below, whatever its
+    workers, persistent or not, killed and resumed or not, must end with these weights and
+    this history.csv (augmentation depends only on (seed, epoch, sample))."""
+    work = tmp_path_factory.mktemp("exact_ref") / "ref"
+    ref = _run(script, work, 0)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    return work
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, True), (2, True), (2, False)])
+def test_sigkill_mid_epoch_with_random_augmentation_resumes_exactly(tmp_path, script, workers, persistent,
+                                                                    uninterrupted):
+    ref = uninterrupted
     killed = _run(script, tmp_path / "run", workers, persistent, kill=(1, 3))
     assert killed.returncode == -signal.SIGKILL
     state = torch.load(tmp_path / "run" / "model" / "last.pth", weights_only=True)
     assert (state["epoch"], state["phase"], state["batch"]) == (1, "train", 4)
     resumed = _run(script, tmp_path / "run", workers, persistent, resume="auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _close(_final(tmp_path / "ref"), _final(tmp_path / "run")) < 1e-6
-    assert _history(tmp_path / "run") == _history(tmp_path / "ref")   # the resumed epoch's train/loss too
+    assert _close(_final(ref), _final(tmp_path / "run")) < 1e-6
+    assert _history(tmp_path / "run") == _history(ref)   # the resumed epoch's train/loss too
 
 
-def test_augmentation_depends_on_the_sample_not_on_the_workers(tmp_path, script):
-    runs = [_run(script, tmp_path / f"w{w}", w) for w in (0, 2)]
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    assert _close(_final(tmp_path / "w0"), _final(tmp_path / "w2")) < 1e-6
+def test_augmentation_depends_on_the_sample_not_on_the_workers(tmp_path, script, uninterrupted):
+    run = _run(script, tmp_path / "w2", 2)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _close(_final(uninterrupted), _final(tmp_path / "w2")) < 1e-6
 
 
 def test_sigkill_inside_an_accumulation_window_resumes_exactly(tmp_path, script):

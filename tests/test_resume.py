@@ -74,10 +74,21 @@ def _same(a, b, tol=1e-6):
         assert torch.allclose(a[k].float(), b[k].float(), atol=tol, rtol=0), k
 
 
-@pytest.mark.parametrize("workers,background", [(0, False), (2, False), (0, True)])
-def test_sigkill_in_epoch_3_then_resume_auto_equals_uninterrupted(tmp_path, script, workers, background):
-    ref = _run(script, tmp_path / "ref", workers)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The script's 5-epoch run, with no stop and no workers: the final weights and EMA every
+    stopped and resumed run below must end with, whatever its workers or save mode."""
+    folder = tmp_path_factory.mktemp("resume_ref")
+    path = folder / "train_toy.py"
+    path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    ref = _run(str(path), folder / "ref")
     assert ref.returncode == 0, ref.stderr[-2000:]
+    return torch.load(folder / "ref" / "final.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("workers,background", [(0, False), (2, False), (0, True)])
+def test_sigkill_in_epoch_3_then_resume_auto_equals_uninterrupted(tmp_path, script, workers, background,
+                                                                  uninterrupted):
     killed = _run(script, tmp_path / "run", workers, stop=(2, 3), sig="SIGKILL", background=background)
     assert killed.returncode == -signal.SIGKILL  # killed at step 4 of epoch 3 (of 5)
     saved = checkpoint.load_file(str(tmp_path / "run" / "model" / "last.pth"))["epoch"]
@@ -86,15 +97,14 @@ def test_sigkill_in_epoch_3_then_resume_auto_equals_uninterrupted(tmp_path, scri
     assert saved == 1 if not background else saved in (0, 1)
     resumed = _run(script, tmp_path / "run", workers, resume="auto", background=background)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
+    a = uninterrupted
     b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert b["start_epoch"] == saved + 1
     _same(a["model"], b["model"])
     _same(a["ema"], b["ema"])  # the EMA is checkpointed and resumed too
 
 
-def test_sigterm_saves_mid_epoch_and_resume_is_exact(tmp_path, script):
-    ref = _run(script, tmp_path / "ref")
+def test_sigterm_saves_mid_epoch_and_resume_is_exact(tmp_path, script, uninterrupted):
     stopped = _run(script, tmp_path / "run", stop=(1, 2), sig="SIGTERM")
     assert stopped.returncode != 0
     assert "resume" in stopped.stderr and "last.pth" in stopped.stderr
@@ -102,9 +112,8 @@ def test_sigterm_saves_mid_epoch_and_resume_is_exact(tmp_path, script):
     assert (state["epoch"], state["epoch_complete"], state["batch"]) == (1, False, 3)
     resumed = _run(script, tmp_path / "run", resume="auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    _same(a["model"], b["model"])
+    _same(uninterrupted["model"], b["model"])
 
 
 WRITER = textwrap.dedent("""

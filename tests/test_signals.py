@@ -145,7 +145,9 @@ def uninterrupted(tmp_path_factory):
     return torch.load(folder / "ref" / "final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("workers", [0, 2, 4])
+# without workers, SIGTERM and an exact resume are tested in test_resume (the signal reaches the
+# one process either way); here: the DataLoader workers in the process group get it too
+@pytest.mark.parametrize("workers", [2, 4])
 def test_sigterm_to_the_process_group_preempts_cleanly(tmp_path, script, workers, uninterrupted):
     work = tmp_path / "run"
     proc = _start(script, work, workers, pause=True)

@@ -275,7 +275,9 @@ def test_with_defaults_converts_dict_and_namespace():
     assert isinstance(ns, Config) and ns.lr == 0.5 and ns.num_epochs == 100
 
 
-def test_toy_trainer_with_minimal_config():
+def test_toy_trainer_with_minimal_config(tmp_path, monkeypatch):
+    # the default work_dir is ./work_space: not the one README's first command trains the example in
+    monkeypatch.chdir(tmp_path)
     cfg = Config(num_epochs=1, progress=False)   # everything else from the engine defaults
     t = ToyTrainer(cfg)
     assert t.cfg is cfg and cfg.seed == 2020 and cfg.batch_size == 32 and cfg.gpu_id == [0]

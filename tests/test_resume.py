@@ -56,9 +56,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def script(tmp_path):
-    path = tmp_path / "train_toy.py"
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("script") / "train_toy.py"
     path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     return str(path)
 
@@ -75,13 +75,11 @@ def _same(a, b, tol=1e-6):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, script):
     """The script's 5-epoch run, with no stop and no workers: the final weights and EMA every
     stopped and resumed run below must end with, whatever its workers or save mode."""
     folder = tmp_path_factory.mktemp("resume_ref")
-    path = folder / "train_toy.py"
-    path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    ref = _run(str(path), folder / "ref")
+    ref = _run(script, folder / "ref")
     assert ref.returncode == 0, ref.stderr[-2000:]
     return torch.load(folder / "ref" / "final.pt", weights_only=True)
 

@@ -74,9 +74,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def script(tmp_path):
-    path = tmp_path / "train_signal.py"
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("script") / "train_signal.py"
     path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     return str(path)
 
@@ -134,13 +134,11 @@ def _same(a, b, tol=1e-6):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, script):
     """The script's 3-epoch run with no signal and no workers: what every preempted and resumed
     run must end with, whatever its num_workers (the data set draws nothing at random)."""
     folder = tmp_path_factory.mktemp("signal_ref")
-    path = folder / "train_signal.py"
-    path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    code, _, err = _finish(_start(str(path), folder / "ref", 0))
+    code, _, err = _finish(_start(script, folder / "ref", 0))
     assert code == 0, err[-3000:]
     return torch.load(folder / "ref" / "final.pt", weights_only=True)
 

@@ -233,12 +233,31 @@ def batch_size_of(inputs: Any) -> int:
     """
     if isinstance(inputs, torch.Tensor):
         return int(inputs.shape[0]) if inputs.dim() else 1
+    if type(inputs) is tuple or type(inputs) is list:   # the common (inputs, targets) batch: one look
+        n = _same_first_dim(inputs)
+        if n is not None:
+            return n
     parts = list(inputs.values()) if isinstance(inputs, dict) else inputs
     if isinstance(parts, (list, tuple)) and _has_tensor(parts):
         options = [_counts(part) for part in parts]
         agreed = _agreed(options)
         return agreed[0] if agreed else next(o[0] for o in options if o)
     raise TypeError(f"cannot find a tensor in the batch to count its samples (got {type(inputs).__name__})")
+
+
+def _same_first_dim(parts: Sequence[Any]) -> Optional[int]:
+    """The first dimension all ``parts`` share when every one is a tensor of at least one
+    dimension (what :func:`batch_size_of` would find the long way), else None."""
+    n = None
+    for part in parts:
+        if not isinstance(part, torch.Tensor) or part.dim() == 0:
+            return None
+        m = part.shape[0]
+        if n is None:
+            n = m
+        elif m != n:
+            return None
+    return None if n is None else int(n)
 
 
 def _has_tensor(item: Any) -> bool:

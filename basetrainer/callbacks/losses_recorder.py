@@ -17,21 +17,25 @@ class RunningSums:
     def __init__(self) -> None:
         self.sums: Dict[str, torch.Tensor] = {}
         self.count = 0
+        self._loaded = False   # sums restored on the CPU: moved to the device of the next values
 
     def reset(self) -> None:
-        self.sums, self.count = {}, 0
+        self.sums, self.count, self._loaded = {}, 0, False
 
     def add(self, values: Dict[str, torch.Tensor], n: int, per_sample: bool = True) -> None:
         """Add ``value x n`` per key (``per_sample=False``: values are already sums over the
         ``n`` samples) and ``n`` samples."""
         alpha = n if per_sample else 1
+        sums = self.sums
+        if self._loaded and values:   # restored from a checkpoint on the CPU
+            self._loaded = False
+            device = next(iter(values.values())).device
+            self.sums = sums = {k: v.to(device) for k, v in sums.items()}
         for key, value in values.items():
-            prev = self.sums.get(key)
+            prev = sums.get(key)
             if prev is None:
-                self.sums[key] = value.detach().float() * alpha   # a new tensor: never the loss itself
+                sums[key] = value.detach().float() * alpha   # a new tensor: never the loss itself
             else:
-                if prev.device != value.device:   # restored from a checkpoint on the CPU
-                    prev = self.sums[key] = prev.to(value.device)
                 prev.add_(value.detach(), alpha=alpha)
         self.count += n
 
@@ -59,6 +63,7 @@ class RunningSums:
         """Start from saved totals (moved to the device of the first values added)."""
         self.sums = {k: torch.tensor(float(v), dtype=torch.float32) for k, v in sums.items()}
         self.count = int(round(count))
+        self._loaded = bool(self.sums)
 
 
 def loss_parts(losses: Any, total_name: str) -> Dict[str, torch.Tensor]:
@@ -100,6 +105,8 @@ class LossesRecorder(Callback):
         return f"{type(self).__name__}:{self.indicator}"
 
     def _values(self, losses: Any) -> Dict[str, torch.Tensor]:
+        if isinstance(losses, torch.Tensor):
+            return {self.indicator: losses}
         values = loss_parts(losses, self.indicator)
         return values if self.parts else {self.indicator: values[self.indicator]}
 

@@ -23,6 +23,7 @@ class ConfusionCounts:
 
     def __init__(self, topk: Sequence[int]) -> None:
         self.topk = tuple(topk)
+        self._ks = [k for k in self.topk if k > 1]
         self._matrix: Optional[torch.Tensor] = None  # [num_classes * num_classes], rows = truth
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._classes = 0
@@ -51,7 +52,7 @@ class ConfusionCounts:
         self._pending.append((targets, outputs.argmax(dim=1)))
         if len(self._pending) >= self.FOLD_EVERY:
             self._fold()
-        ks = [k for k in self.topk if k > 1]
+        ks = self._ks
         if ks:
             targets = targets.to(device=outputs.device, dtype=torch.long)
             top = outputs.topk(min(max(ks), c), dim=1).indices

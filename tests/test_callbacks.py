@@ -20,6 +20,8 @@ def targets(n):
     (torch.tensor(2.0), 1),
     ([torch.zeros(5, 3, 8, 8), torch.zeros(5, dtype=torch.long)], 5),             # default collate
     ((torch.zeros(6, 2), torch.zeros(6, 2)), 6),                                  # equal shapes (x, x)
+    ((torch.zeros(4, 3), torch.zeros(5)), 4),                                     # no agreement: the first
+    ((torch.zeros(4, 3), torch.tensor(1.0)), 4),                                  # a scalar beside
     ((tuple(images(4)), tuple(targets(4))), 4),                                   # detection: zip(*batch)
     ((images(2, channels=5), targets(2)), 2),                                     # lists of images
     (([torch.zeros(7, 2), torch.zeros(7, 9)], torch.zeros(7)), 7),                # a multi-input model

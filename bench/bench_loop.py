@@ -65,7 +65,7 @@ def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
     # Pairs: on the 2-core machine one tiny_on pair's ratio spreads over 0.93-1.23 and a
     # resnet18 pair's over 0.96-1.03; with 9 pairs the median moved 1.06-1.11 and 1.00-1.03 from
     # run to run, as wide as the margin to the target. 25 and 15 pairs narrow it (the standard
-    # error of a median falls with the square root of the pairs) for about two more minutes.
+    # error of a median falls with the square root of the pairs) for about three more minutes.
     tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (25, 15, 15)
     return {
         "tiny_off": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False), tiny_reps, 2),

@@ -16,6 +16,8 @@ Cases (``--cases``; ``tiny`` and ``resnet18`` name both of their settings):
 - ``data``: images/s of examples/example.py's train loader with 0 and 2 workers.
 - ``costs``: the time each callback spends per event, in one instrumented run per setting.
 
+Each loop case runs ``--rounds`` times (default 3), each round in a fresh Python process with
+its own timed pairs, the cases taking turns; a case's figure is the median over all its pairs.
 The loop comparisons also check that basetrainer's per-epoch loss and final weights equal the
 hand-written loop's. The method is described in docs/benchmarks.md and bench/loop_contenders.py.
 """
@@ -24,6 +26,8 @@ import json
 import logging
 import math
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +59,12 @@ TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on
 # that history lands on whichever runs next. Fixed thresholds (the most the adaptive ones
 # can reach on 64-bit glibc) make every run start from the same allocator behaviour.
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+# Each loop case runs in ROUNDS fresh processes, the cases taking turns (round 1 of every case,
+# then round 2, ...), and its pairs are pooled. One process, or one stretch of time, can favour
+# a contender for its whole length (where its memory landed, a busy spell of the machine);
+# with 25 and 15 pairs in one process the medians of three runs still differed by more than
+# the spread of their pairs allows (resnet18_on 1.003, 1.009, 1.027).
+ROUNDS = 3
 
 
 def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
@@ -62,11 +72,11 @@ def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
     tiny_n = 64 * (30 if quick else 100)
     res_n = 64 if quick else 256
     res_epochs = 1 if quick else 2
-    # Pairs: on the 2-core machine one tiny_on pair's ratio spreads over 0.93-1.23 and a
-    # resnet18 pair's over 0.96-1.03; with 9 pairs the median moved 1.06-1.11 and 1.00-1.03 from
-    # run to run, as wide as the margin to the target. 25 and 15 pairs narrow it (the standard
-    # error of a median falls with the square root of the pairs) for about three more minutes.
-    tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (25, 15, 15)
+    # Timed pairs per round (see ROUNDS). On the 2-core machine one tiny_on pair's ratio spreads
+    # over 0.73-1.38 and a resnet18_on pair's over 0.76-1.36; with 9 pairs in one process a run's
+    # median moved 1.06-1.11 and 1.00-1.03, and with 25 and 15 pairs in one process still
+    # 1.078-1.093 and 1.003-1.027: as wide as the margin to the target.
+    tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (8, 5, 5)
     return {
         "tiny_off": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False), tiny_reps, 2),
         "tiny_on": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=True), tiny_reps, 2),
@@ -82,10 +92,11 @@ def steps_per_epoch(spec: lc.Spec) -> int:
     return math.ceil(per_rank / (spec.batch_size // spec.world))
 
 
-def describe(spec: lc.Spec, repeats: int) -> str:
+def describe(spec: lc.Spec, repeats: int, rounds: int = 1) -> str:
     """One line saying what a loop case trains."""
+    pairs = f"{rounds} x {repeats} timed pairs (fresh process per round)" if rounds > 1 else f"{repeats} timed pairs"
     return (f"{spec.model}, {spec.samples} samples/epoch, global batch {spec.batch_size}, "
-            f"{steps_per_epoch(spec)} steps/epoch, {spec.epochs} epoch(s) per run, {repeats} timed pairs, "
+            f"{steps_per_epoch(spec)} steps/epoch, {spec.epochs} epoch(s) per run, {pairs}, "
             f"callbacks {'on' if spec.callbacks else 'off'}, {spec.world} process(es)")
 
 
@@ -116,6 +127,38 @@ def run_loop_case(name: str, spec: lc.Spec, repeats: int, warmup_epochs: int,
     result.update({"steps": steps_per_epoch(spec), "samples": spec.samples, "target": TARGETS[name],
                    "world": spec.world, "load": report.load_average()})
     return result
+
+
+def run_round(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> Dict[str, Any]:
+    """One round of loop case ``name`` in a fresh Python process (``--round-of``)."""
+    with tempfile.TemporaryDirectory(prefix="bench_round_") as tmp:
+        out = os.path.join(tmp, "round.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--round-of", name, "--json", out,
+               "--threads", str(args.threads), "--malloc", args.malloc] + (["--quick"] if args.quick else [])
+        lines: List[str] = []
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                if line.startswith("    "):   # the per-pair lines
+                    say(lines[-1])
+        if proc.returncode != 0 or not os.path.isfile(out):
+            tail = "\n".join(lines[-40:])
+            raise SystemExit(f"bench_loop: round of {name} failed (exit {proc.returncode}):\n{tail}")
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
+
+
+def pool_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One case's figures from its rounds: the pairs of every round together."""
+    pooled = dict(rounds[0])
+    for key in ("b", "h", "ratios", "b_outside"):
+        pooled[key] = [x for r in rounds for x in r[key]]
+    pooled["loss_diff"] = max(r["loss_diff"] for r in rounds)
+    pooled["weight_diff"] = max(r["weight_diff"] for r in rounds)
+    pooled["load"] = max(r["load"] for r in rounds)
+    pooled["round_medians"] = [statistics.median(r["ratios"]) for r in rounds]
+    return pooled
 
 
 def run_costs(specs: Dict[str, Tuple[lc.Spec, int, int]], say: Callable[[str], None]) -> Dict[str, Any]:
@@ -191,6 +234,10 @@ def get_parser() -> argparse.ArgumentParser:
                              "the DDP processes (MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=64 MiB; "
                              "the benchmark restarts itself with them), so no run inherits the allocator "
                              "state of the one before; default: glibc's adaptive thresholds")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"fresh processes per loop case, the cases taking turns (default {ROUNDS}; "
+                             "1 with --quick)")
+    parser.add_argument("--round-of", default=None, help=argparse.SUPPRESS)  # one round of one case
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads in single-process cases (default 1: stable on a shared 2-core "
                              "machine; DDP processes always use 1)")
@@ -225,20 +272,39 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         return results
     t_start = time.perf_counter()
     specs = plan(args.quick)
+    if args.round_of:   # a round of one loop case, in this fresh process (run_round)
+        spec, repeats, warmup = specs[args.round_of]
+        result = run_loop_case(args.round_of, spec, repeats, warmup, say)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        return result
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else ROUNDS)
+    if rounds < 1:
+        raise SystemExit(f"--rounds {rounds}: give at least 1")
     results: Dict[str, Any] = {"machine": report.machine_info(args.threads), "cases": {}, "specs": {},
                                "quick": args.quick}
     results["machine"]["malloc"] = (", ".join(f"{k}={os.environ.get(k)}" for k in FIXED_MALLOC)
                                     if args.malloc == "fixed" else "glibc's adaptive thresholds")
     say(f"bench_loop: {', '.join(cases)} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
         f"torch {results['machine']['torch']}, load {results['machine']['load_start']:.1f}")
+    loop_cases = [c for c in cases if c in LOOP_CASES]
+    done: Dict[str, List[Dict[str, Any]]] = {c: [] for c in loop_cases}
+    for r in range(rounds):
+        for name in loop_cases:
+            t0 = time.perf_counter()
+            say(f"[{name}, round {r + 1}/{rounds}]")
+            done[name].append(run_round(name, args, say))
+            say(f"    ({time.perf_counter() - t0:.0f} s)")
+    for name in loop_cases:
+        spec, repeats, _ = specs[name]
+        results["specs"][name] = describe(spec, repeats, rounds)
+        results["cases"][name] = pool_rounds(done[name])
     for name in cases:
+        if name in LOOP_CASES:
+            continue
         t0 = time.perf_counter()
         say(f"[{name}]")
-        if name in LOOP_CASES:
-            spec, repeats, warmup = specs[name]
-            results["specs"][name] = describe(spec, repeats)
-            results["cases"][name] = run_loop_case(name, spec, repeats, warmup, say)
-        elif name == "imports":
+        if name == "imports":
             results["imports"] = probes.import_times(2 if args.quick else 7, say)
         elif name == "data":
             results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 15, say=say)

@@ -54,8 +54,13 @@ How it is measured:
   same order (`DistributedSampler(num_replicas=world, rank=rank, shuffle=True, seed=2020)` with
   `set_epoch` every epoch, as `build_dataloader` builds it), SGD (lr 0.05, momentum 0.9,
   weight decay 5e-4), cross-entropy, batch size global.
-- The two contenders alternate in one process (B, H, H, B, B, H, ...; DDP: inside one 2-process gloo
-  group started by `basetrainer.engine.launch.launch`, one torch thread per process). An untimed
+- The two contenders alternate (B, H, H, B, B, H, ...) in one process per round (DDP: inside one
+  2-process gloo group started by `basetrainer.engine.launch.launch`, one torch thread per
+  process). Each loop case runs several rounds, each in a fresh Python process, the cases taking
+  turns (round 1 of every case, then round 2, ...), and the pairs of its rounds are pooled: one
+  process, or one stretch of time, can favour a contender for its whole length (where its
+  memory landed, a busy spell of the machine), so one process alone is not the case's figure
+  (*round medians*: the median of each round's pairs). In each process an untimed
   pair first warms both up and checks equality (with callbacks off, basetrainer gets a
   LossesRecorder for that pair only). Single-process cases use {info['threads']} torch thread(s):
   on a 2-core machine shared with other jobs, two intra-op threads make epoch times swing by
@@ -64,7 +69,7 @@ How it is measured:
   steps: 0.86 s or 0.68 s, depending only on whether 90 MB had just been freed); unless
   `--malloc default` is given the benchmark fixes both thresholds (the *malloc* row above) for
   itself and the DDP processes, so that each contender starts from the same allocator
-  behaviour. *ratio B/H (median)* is the median over repeats
+  behaviour. *ratio B/H (median)* is the median over all pairs of all rounds
   of the paired ratio of the run's epoch time; *ratio (best runs)* is the fastest B run over
   the fastest H run (the least disturbed by other load); *overhead us/step* = (median B - median
   H) / steps per epoch.

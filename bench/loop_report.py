@@ -108,8 +108,8 @@ def _table(header: Sequence[str], rows: List[Sequence[str]], markdown: bool) -> 
 def loop_table(results: Dict[str, Any], markdown: bool = False) -> str:
     """The loop comparisons, one row per case."""
     header = ["case", "steps/epoch", "basetrainer ms/epoch", "hand ms/epoch", "basetrainer samples/s",
-              "hand samples/s", "ratio B/H (median)", "ratio (best runs)", "paired range", "target", "meets",
-              "overhead us/step", "max |dloss|", "max |dweight|", "load"]
+              "hand samples/s", "ratio B/H (median)", "ratio (best runs)", "paired range", "round medians", "target",
+              "meets", "overhead us/step", "max |dloss|", "max |dweight|", "load"]
     if not results.get("cases"):
         return ""
     rows = []
@@ -117,7 +117,8 @@ def loop_table(results: Dict[str, Any], markdown: bool = False) -> str:
         r = case_row(name, case)
         rows.append([name, str(r["steps"]), f"{r['b_ms']:.1f}", f"{r['h_ms']:.1f}", f"{r['b_sps']:.0f}",
                      f"{r['h_sps']:.0f}", f"{r['ratio']:.3f}", f"{r['ratio_best']:.3f}",
-                     f"{r['ratio_lo']:.3f}-{r['ratio_hi']:.3f}", f"<= {r['target']:.3f}",
+                     f"{r['ratio_lo']:.3f}-{r['ratio_hi']:.3f}",
+                     " ".join(f"{m:.3f}" for m in case.get("round_medians", [])) or "-", f"<= {r['target']:.3f}",
                      "yes" if r["meets"] else "NO", f"{r['overhead_us']:.0f}", _fmt_diff(r["loss_diff"]),
                      _fmt_diff(r["weight_diff"]), f"{r['load']:.1f}"])
     return _table(header, rows, markdown)

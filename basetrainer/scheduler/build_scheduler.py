@@ -119,8 +119,7 @@ class LRSchedulerCallback(Callback):
         return [base * self.lr_factor(step) for base in self.scheduler.base_lrs]
 
     def on_batch_prepare(self, epoch: int, batch: int, logs: Optional[dict] = None) -> None:
-        accumulate = self._accumulate
-        step = epoch * -(-self.num_steps // accumulate) + batch // accumulate
+        step = epoch * self.steps_per_epoch() + batch // self._accumulate
         # always set: the LR LambdaLR set at construction was computed before the trainer (and
         # so accumulate_steps) was known, so step 0 must be recomputed too. Setting the groups
         # directly keeps this per-step work to one factor (no LambdaLR.step()/warnings context).

@@ -15,6 +15,8 @@ Cases (``--cases``; ``tiny`` and ``resnet18`` name both of their settings):
   ``import torch, torchvision``.
 - ``data``: images/s of examples/example.py's train loader with 0 and 2 workers.
 - ``costs``: the time each callback spends per event, in one instrumented run per setting.
+- ``writes``: what resnet18_on's epoch-end checkpoint (the snapshot, then the files written in
+  the background) costs the training that goes on meanwhile.
 
 Each loop case runs ``--rounds`` times (default 3), each round in a fresh Python process with
 its own timed pairs, the cases taking turns; a case's figure is the median over all its pairs.
@@ -48,7 +50,7 @@ import loop_report as report  # noqa: E402
 
 CANONICAL = ".venv/bin/python bench/bench_loop.py --out docs"
 LOOP_CASES = ("tiny_off", "tiny_on", "resnet18_off", "resnet18_on", "ddp")
-OTHER_CASES = ("imports", "data", "costs")
+OTHER_CASES = ("imports", "data", "costs", "writes")
 GROUPS = {"tiny": ("tiny_off", "tiny_on"), "resnet18": ("resnet18_off", "resnet18_on"), "resnet": ("resnet18_off",
           "resnet18_on"), "all": LOOP_CASES + OTHER_CASES}
 TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on": 1.02, "ddp": 1.05}
@@ -175,7 +177,7 @@ def run_costs(specs: Dict[str, Tuple[lc.Spec, int, int]], say: Callable[[str], N
     return out
 
 
-SECTIONS = ("imports", "data", "costs")
+SECTIONS = ("imports", "data", "costs", "writes")
 
 
 def merge_results(paths: List[str]) -> Dict[str, Any]:
@@ -310,6 +312,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 15, say=say)
         elif name == "costs":
             results["costs"] = run_costs(specs, say)
+        elif name == "writes":
+            results["writes"] = probes.write_interference(5 if args.quick else 21, say)
         say(f"    ({time.perf_counter() - t0:.0f} s)")
     results["total_s"] = time.perf_counter() - t_start
     results["load_end"] = report.load_average()

@@ -3,7 +3,7 @@ import statistics
 from typing import Any, Dict, Optional
 
 from loop_report import (IMPORT_TARGET_S, case_row, costs_table, data_table, findings, import_table, loop_table,
-                         targets_table)
+                         targets_table, writes_table)
 
 
 def write_markdown(path: str, results: Dict[str, Any], command: str, canonical: str) -> None:
@@ -123,9 +123,30 @@ Normalize), batch 32, loaded through `build_dataloader(phase="train", drop_last=
 One instrumented run per case: each handler is timed (the wrapper adds about 1 us per call);
 *% of epochs* is its share of the run's epoch time; `on_train_begin`/`on_train_end` are outside
 the epochs.
+
+## What resnet18_on's epoch-end checkpoint costs
+
+{writes_table(results, markdown=True) or "(not run)"}
+
+{_writes_method(results.get("writes"))}
 """
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def _writes_method(w: Optional[Dict[str, Any]]) -> str:
+    """How the ``writes`` probe measures (with its figures)."""
+    if not w:
+        return ""
+    return (f"The files of one resnet18_on epoch end ({w['mb']:.0f} MB: the epoch's weights and `last.pth` "
+            f"with the SGD momentum), written with the library's atomic writer (temp file, fsync, rename) "
+            f"from a snapshot of the weights and optimizer state (`atomic.snapshot`, in the training thread). "
+            f"Each of {w['repeats']} repeats times {w['steps']} resnet18 training steps (batch 32, one torch "
+            f"thread) three ways, the order turning each repeat: alone, while the library's background "
+            f"writer thread writes the files, and while a separate process (started once, with its own copy "
+            f"of the state) writes them, after one untimed round (a process's first write is slower, once). "
+            f"*Training slowed* is the median of the difference to the same repeat's steps alone. The other process shares no interpreter lock with the training, so what "
+            f"it costs is the machine's own contention (memory bandwidth, page cache).")
 
 
 def _outside(results: Dict[str, Any]) -> str:

@@ -5,12 +5,17 @@
 - :func:`loader_throughput`: images/s of one pass of examples/example.py's training loader
   (its transforms on the digits ImageFolder) with 0 and 2 worker processes.
 - :func:`callback_costs`: the wall time each callback spends in each event during a run.
+- :func:`write_interference`: what writing resnet18's epoch-end checkpoint files costs the
+  training that goes on meanwhile, with the writer in a thread (as ModelCheckpoint does) and in
+  another process (no shared interpreter lock).
 """
 import collections
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -164,3 +169,138 @@ def callback_costs(run: Callable[[Callable[[Any], None]], Any]) -> Tuple[Dict[st
     finally:
         engine_module.CallbackList = plain
     return {k: {"total_s": totals[k], "calls": calls[k]} for k in sorted(totals, key=lambda k: -totals[k])}, outcome
+
+
+WRITE_PROBE_STEPS = 2   # resnet18 steps timed per way (about 0.45 s: longer than the writes)
+
+
+def _resnet18_training() -> Tuple[Any, Callable[..., float]]:
+    """resnet18_on's model and SGD optimizer after one step (momentum buffers exist, as at any
+    epoch end), and a function that times ``WRITE_PROBE_STEPS`` more training steps."""
+    import torch
+
+    import loop_contenders as lc
+
+    torch.manual_seed(lc.SEED)
+    model = lc.resnet18_32()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=lc.MOMENTUM, weight_decay=lc.WEIGHT_DECAY)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, lc.NUM_CLASSES, (32,))
+    criterion = torch.nn.CrossEntropyLoss()
+
+    def steps(n: int = WRITE_PROBE_STEPS) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            criterion(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    steps(1)
+    return (model, optimizer), steps
+
+
+def _write_epoch_files(state: Dict[str, Any], folder: str) -> None:
+    """The files of one resnet18_on epoch end: the epoch's weights, then last.pth."""
+    from basetrainer.runtime import atomic
+
+    atomic.write_atomically(state["model"], os.path.join(folder, "model_000.pth"))
+    atomic.write_atomically(state, os.path.join(folder, "last.pth"))
+
+
+def _writer_process(conn: Any, folder: str) -> None:
+    """A separate writer: builds the same state itself, then writes it each time it is asked."""
+    import torch
+
+    torch.set_num_threads(1)
+    (model, optimizer), _ = _resnet18_training()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    conn.send("ready")
+    while conn.recv():
+        _write_epoch_files(state, folder)
+        conn.send("done")
+
+
+def write_interference(repeats: int, say: Callable[[str], None] = lambda _m: None) -> Dict[str, Any]:
+    """What writing resnet18_on's epoch-end files costs the resnet18 training that goes on.
+
+    The files are those of one epoch end of the ``resnet18_on`` case: the epoch's weights file
+    and ``last.pth`` (weights and SGD momentum), each written with ``atomic.write_atomically``
+    (temp file, fsync, rename), from a snapshot taken in the training thread
+    (``atomic.snapshot``, as the trainer's background checkpoint does). Each repeat times
+    ``WRITE_PROBE_STEPS`` resnet18 training steps (batch 32 at 32x32, one torch thread) three
+    ways, the order turning by one each repeat: alone; while the library's background writer
+    thread writes the files; while a separate process (started once, holding its own copy of
+    the state; no interpreter lock shared) writes them. *Lost*: how much longer the steps took
+    than the same repeat's steps alone. One untimed round comes first: the first write of a
+    process slowed the training by about 250 ms, once per run, not per epoch.
+
+    Returns:
+        ``{"mb": size of the files, "copy_s": median snapshot time, "write_s": median time the
+        writer thread took, "alone_s": median time of the steps alone, "lost_thread_s",
+        "lost_process_s": median lost time, "steps", "repeats"}``.
+    """
+    from basetrainer.runtime import atomic
+
+    (model, optimizer), steps = _resnet18_training()
+    folder = tempfile.mkdtemp(prefix="bench_writes_")
+    conn, child_conn = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_writer_process, args=(child_conn, folder))
+    child.start()
+    figures: Dict[str, List[float]] = collections.defaultdict(list)
+    ways = ("alone", "thread", "process")
+    try:
+        if not conn.poll(120) or conn.recv() != "ready":
+            raise RuntimeError("the probe's writer process did not start within 120 s")
+        for r in range(-1, repeats):    # r = -1: untimed, the first write of a process is slower
+            for way in ways[r % 3:] + ways[:r % 3]:
+                if way == "alone":
+                    t0 = time.perf_counter()
+                    state = atomic.snapshot({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                    figures["copy"].append(time.perf_counter() - t0)
+                    del state
+                    figures["alone"].append(steps())
+                elif way == "thread":
+                    state = atomic.snapshot({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                    wrote: Dict[str, float] = {}
+
+                    def job(state: Dict[str, Any] = state) -> None:
+                        t = time.perf_counter()
+                        _write_epoch_files(state, folder)
+                        wrote["s"] = time.perf_counter() - t
+
+                    atomic.write_in_background(job, "the write probe's files")
+                    del state
+                    figures["thread"].append(steps())
+                    atomic.wait_for_writes()
+                    figures["write"].append(wrote["s"])
+                else:
+                    conn.send(True)
+                    figures["process"].append(steps())
+                    if not conn.poll(120) or conn.recv() != "done":
+                        raise RuntimeError("the probe's writer process did not finish a write within 120 s")
+        mb = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 2 ** 20
+    finally:
+        if child.is_alive():
+            try:
+                conn.send(False)
+            except OSError:
+                pass
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+        os.rmdir(folder)
+    figures = {k: v[1:] for k, v in figures.items()}   # without the untimed first round
+    alone = figures["alone"]
+    out = {"mb": mb, "steps": WRITE_PROBE_STEPS, "repeats": repeats,
+           "copy_s": statistics.median(figures["copy"]), "write_s": statistics.median(figures["write"]),
+           "alone_s": statistics.median(alone),
+           "lost_thread_s": statistics.median(t - a for t, a in zip(figures["thread"], alone)),
+           "lost_process_s": statistics.median(p - a for p, a in zip(figures["process"], alone)),
+           "lost_thread_each_s": [t - a for t, a in zip(figures["thread"], alone)],
+           "lost_process_each_s": [p - a for p, a in zip(figures["process"], alone)]}
+    say(f"    {mb:.0f} MB per epoch end: copy {out['copy_s'] * 1e3:.1f} ms; {WRITE_PROBE_STEPS} resnet18 steps "
+        f"{out['alone_s'] * 1e3:.0f} ms alone, {out['lost_thread_s'] * 1e3:+.1f} ms with the writer thread "
+        f"(writing for {out['write_s'] * 1e3:.0f} ms), {out['lost_process_s'] * 1e3:+.1f} ms with a writer process")
+    return out

@@ -177,6 +177,32 @@ def costs_table(results: Dict[str, Any], markdown: bool = False, top: int = 8) -
     return _table(header, rows, markdown)
 
 
+def writes_table(results: Dict[str, Any], markdown: bool = False) -> str:
+    """What resnet18_on's epoch-end checkpoint costs the training (``writes`` probe)."""
+    w = results.get("writes")
+    if not w:
+        return ""
+    epoch = None
+    for name in ("resnet18_on", "resnet18_off"):
+        if name in results.get("cases", {}):
+            epoch = statistics.median(results["cases"][name]["h"])
+            break
+    cost = w["copy_s"] + w["lost_thread_s"]
+
+    def share(seconds: float) -> str:
+        return f"{100 * seconds / epoch:.2f}" if epoch else "-"
+
+    header = ["what", "ms per epoch end", "% of a hand-written resnet18 epoch"]
+    rows = [["snapshot of weights + optimizer state (training waits)", f"{w['copy_s'] * 1e3:.1f}", share(w["copy_s"])],
+            ["writing them in the background thread (its own time)", f"{w['write_s'] * 1e3:.0f}", "-"],
+            [f"training slowed meanwhile, writer thread ({w['steps']} steps of "
+             f"{w['alone_s'] * 1e3 / w['steps']:.0f} ms)", f"{w['lost_thread_s'] * 1e3:+.1f}", share(w["lost_thread_s"])],
+            ["training slowed meanwhile, writer in another process", f"{w['lost_process_s'] * 1e3:+.1f}",
+             share(w["lost_process_s"])],
+            ["snapshot + writer thread", f"{cost * 1e3:.1f}", share(cost)]]
+    return _table(header, rows, markdown)
+
+
 SEEDING_FLOOR = 0.95   # loader throughput with per-sample seeding, relative to without
 
 
@@ -224,7 +250,8 @@ def text_report(results: Dict[str, Any]) -> str:
                          ("Targets", targets_table(results)),
                          ("Import time beyond torch + torchvision", import_table(results)),
                          ("examples/example.py train loader (digits ImageFolder)", data_table(results)),
-                         ("Callback cost (one instrumented run)", costs_table(results))):
+                         ("Callback cost (one instrumented run)", costs_table(results)),
+                         ("resnet18_on's epoch-end checkpoint", writes_table(results))):
         if table:
             parts.append(f"{title}\n{table}")
     return "\n\n".join(parts)

@@ -237,7 +237,8 @@ def write_interference(repeats: int, say: Callable[[str], None] = lambda _m: Non
     Returns:
         ``{"mb": size of the files, "copy_s": median snapshot time, "write_s": median time the
         writer thread took, "alone_s": median time of the steps alone, "lost_thread_s",
-        "lost_process_s": median lost time, "steps", "repeats"}``.
+        "lost_process_s": median lost time, "lost_thread_each_s", "lost_process_each_s": each
+        repeat's lost time, "steps", "repeats"}``.
     """
     from basetrainer.runtime import atomic
 

@@ -145,8 +145,9 @@ def _writes_method(w: Optional[Dict[str, Any]]) -> str:
             f"thread) three ways, the order turning each repeat: alone, while the library's background "
             f"writer thread writes the files, and while a separate process (started once, with its own copy "
             f"of the state) writes them, after one untimed round (a process's first write is slower, once). "
-            f"*Training slowed* is the median of the difference to the same repeat's steps alone. The other process shares no interpreter lock with the training, so what "
-            f"it costs is the machine's own contention (memory bandwidth, page cache).")
+            f"*Training slowed* is the median of the difference to the same repeat's steps alone. The "
+            f"other process shares no interpreter lock with the training, so what it costs is the "
+            f"machine's own contention (memory bandwidth, page cache).")
 
 
 def _outside(results: Dict[str, Any]) -> str:

@@ -243,6 +243,10 @@ def write_interference(repeats: int, say: Callable[[str], None] = lambda _m: Non
     from basetrainer.runtime import atomic
 
     (model, optimizer), steps = _resnet18_training()
+
+    def snapshot() -> Dict[str, Any]:   # what the trainer copies at an epoch end
+        return atomic.snapshot({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
     folder = tempfile.mkdtemp(prefix="bench_writes_")
     conn, child_conn = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(target=_writer_process, args=(child_conn, folder))
@@ -256,12 +260,11 @@ def write_interference(repeats: int, say: Callable[[str], None] = lambda _m: Non
             for way in ways[r % 3:] + ways[:r % 3]:
                 if way == "alone":
                     t0 = time.perf_counter()
-                    state = atomic.snapshot({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                    snapshot()
                     figures["copy"].append(time.perf_counter() - t0)
-                    del state
                     figures["alone"].append(steps())
                 elif way == "thread":
-                    state = atomic.snapshot({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                    state = snapshot()
                     wrote: Dict[str, float] = {}
 
                     def job(state: Dict[str, Any] = state) -> None:
@@ -294,13 +297,12 @@ def write_interference(repeats: int, say: Callable[[str], None] = lambda _m: Non
         os.rmdir(folder)
     figures = {k: v[1:] for k, v in figures.items()}   # without the untimed first round
     alone = figures["alone"]
+    lost = {way: [t - a for t, a in zip(figures[way], alone)] for way in ("thread", "process")}
     out = {"mb": mb, "steps": WRITE_PROBE_STEPS, "repeats": repeats,
            "copy_s": statistics.median(figures["copy"]), "write_s": statistics.median(figures["write"]),
            "alone_s": statistics.median(alone),
-           "lost_thread_s": statistics.median(t - a for t, a in zip(figures["thread"], alone)),
-           "lost_process_s": statistics.median(p - a for p, a in zip(figures["process"], alone)),
-           "lost_thread_each_s": [t - a for t, a in zip(figures["thread"], alone)],
-           "lost_process_each_s": [p - a for p, a in zip(figures["process"], alone)]}
+           "lost_thread_s": statistics.median(lost["thread"]), "lost_process_s": statistics.median(lost["process"]),
+           "lost_thread_each_s": lost["thread"], "lost_process_each_s": lost["process"]}
     say(f"    {mb:.0f} MB per epoch end: copy {out['copy_s'] * 1e3:.1f} ms; {WRITE_PROBE_STEPS} resnet18 steps "
         f"{out['alone_s'] * 1e3:.0f} ms alone, {out['lost_thread_s'] * 1e3:+.1f} ms with the writer thread "
         f"(writing for {out['write_s'] * 1e3:.0f} ms), {out['lost_process_s'] * 1e3:+.1f} ms with a writer process")

@@ -326,6 +326,22 @@ def test_a_fallback_to_last_prev_keeps_it_until_a_good_last_pth_is_written(tmp_p
     assert os.path.exists(work / "model" / "last.pth.damaged")
 
 
+def test_a_fallback_names_the_best_file_the_damaged_save_wrote_and_keeps_it(tmp_path, caplog):
+    work = tmp_path / "work"
+    run(work, epochs=3, callbacks=[Scripted(**{"test/loss": [0.5, 0.4, 0.3]}), checkpointed(work)])
+    newest = glob.glob(str(work / "model" / "best_model_002_*.pth"))
+    assert len(newest) == 1 and not glob.glob(str(work / "model" / "best_model_001_*.pth"))
+    kept = digests(work / "model")[os.path.basename(newest[0])]
+    _truncate(work / "model" / "last.pth")      # resume falls back to last.prev.pth (epoch 1, best: epoch 1)
+    with caplog.at_level(logging.WARNING, logger="basetrainer"):
+        run(work, epochs=3, resume="auto", callbacks=[Scripted(**{"test/loss": [0.5, 0.4, 0.45]}), checkpointed(work)])
+    warning = [r.getMessage() for r in caplog.records if "best weights so far" in r.getMessage()]
+    assert len(warning) == 1
+    assert "best_model_001_0.4000.pth" in warning[0] and "last.prev.pth" in warning[0]
+    assert os.path.basename(newest[0]) in warning[0]           # the damaged save's best file, named
+    assert digests(work / "model")[os.path.basename(newest[0])] == kept     # and left as it was
+
+
 def test_a_complete_last_pth_left_in_a_temp_file_is_recovered(tmp_path, caplog):
     import socket
     import subprocess

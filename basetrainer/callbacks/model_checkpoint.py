@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, infer_mode, mode_of_indicator, resolve_indicator
-from basetrainer.runtime import atomic
+from basetrainer.runtime import atomic, checkpoint
 from basetrainer.runtime.modules import unwrap_model
 
 _logger = logging.getLogger(__name__)
@@ -137,9 +137,17 @@ class ModelCheckpoint(Callback):
                 found = glob.glob(os.path.join(self.model_dir, f"best_model_{self.best_epoch:03d}_*.pth"))
                 self.best_file = found[0] if len(found) == 1 else None
             if self.best_file is not None and not os.path.exists(self.best_file):
-                self.logger.warning("the best weights so far (%s=%s, epoch %s) are not in %s (resumed from another "
-                                    "folder's checkpoint?); a best file is written here when an epoch beats them",
-                                    self.indicator, self.best, self.best_epoch, self.model_dir)
+                tag = f"{self._tag}_" if self._tag else ""
+                present = sorted(os.path.basename(p) for p in glob.glob(os.path.join(self.model_dir,
+                                                                                     f"best_model_{tag}*.pth")))
+                self.logger.warning(
+                    "the best weights so far (%s=%s, epoch %s, %s) are not in %s: the save after the checkpoint this "
+                    "run resumed from removed them (resume fell back to %s), or that checkpoint comes from another "
+                    "folder. %s; a new best file is written when an epoch beats %s=%s",
+                    self.indicator, self.best, self.best_epoch, os.path.basename(self.best_file), self.model_dir,
+                    checkpoint.PREVIOUS,
+                    f"Kept, not counted as best by this run: {', '.join(present)}" if present
+                    else "No best file is there", self.indicator, self.best)
             self._remove(self._superseded)  # left by a run killed after its last.pth was written
             self._superseded = []
 

@@ -61,6 +61,23 @@ def test_other_numbers_out_of_range():
         assert words in str(info.value), key
 
 
+@pytest.mark.parametrize("key", ["momentum", "weight_decay", "clip_grad_norm", "num_warn_up"])
+@pytest.mark.parametrize("text,value", [(".nan", "nan"), (".inf", "inf"), ("-1", "-1")])
+def test_other_numbers_not_finite_or_negative_name_the_key(key, text, value):
+    import yaml
+
+    cfg = setup_config.Config(yaml.safe_load(f"{key}: {text}"))   # NaN once passed, and the run failed later
+    with pytest.raises(ValueError) as info:                        # blaming the learning rate
+        setup_config.validate(cfg)
+    assert str(info.value) == f"config key {key!r} = {value} must be >= 0 and finite"
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, -2 ** 63, 2 ** 62])
+def test_a_seed_torch_cannot_take_names_the_key(seed):
+    with pytest.raises(ValueError, match=rf"config key 'seed' = {seed} is out of range"):
+        ToyTrainer(toy_cfg(seed=seed))
+
+
 @pytest.mark.parametrize("text,value", [(".nan", "nan"), (".inf", "inf"), ("-1", "-1"), ("-.inf", "-inf")])
 def test_lr_not_finite_or_negative_in_config(text, value):
     import yaml
@@ -429,3 +446,29 @@ def test_bad_images_can_be_skipped_with_a_warning_each(tmp_path, caplog):
     assert len(dataset) == 4
     assert all(path in caplog.text for path in bad)
     assert all(x.shape == (3, 32, 32) for x, _ in dataset)
+
+
+@pytest.mark.parametrize("value,message", [(-1, "save_freq_steps=-1 must be an integer >= 0"),
+                                           (2.5, "save_freq_steps=2.5 must be an integer >= 0"),
+                                           (True, "save_freq_steps=True must be an integer >= 0")])
+def test_save_freq_steps_out_of_range_is_refused(value, message, tmp_path):
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+    with pytest.raises(ValueError) as info:
+        ModelCheckpoint(model_dir=str(tmp_path), save_freq_steps=value)
+    assert message in str(info.value)
+
+
+def test_save_freq_steps_none_means_off(tmp_path):
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+    assert ModelCheckpoint(model_dir=str(tmp_path), save_freq_steps=None).save_freq_steps == 0
+
+
+def test_a_test_loader_that_would_drop_every_sample_is_refused():
+    from basetrainer.dataloader.loader import build_dataloader
+
+    with pytest.raises(ValueError, match=r"batch_size=32 is larger than the test set \(20 samples\) with drop_last=True"):
+        build_dataloader(torch.utils.data.TensorDataset(torch.zeros(20, 2)), 32, phase="test", drop_last=True)
+    assert len(build_dataloader(torch.utils.data.TensorDataset(torch.zeros(20, 2)), 8, phase="test",
+                                drop_last=True).sampler) == 16

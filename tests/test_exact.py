@@ -78,6 +78,42 @@ def test_ddp_equals_one_process_on_data_that_does_not_divide(tmp_path, world):
                 assert b["train/Accuracy"] == pytest.approx(a["train/Accuracy"], abs=1e-9)
 
 
+class DropLastTestTrainer(ToyTrainer):
+    def build_test_loader(self, cfg, **kwargs):
+        return self.build_dataloader(blobs(cfg.n_test, 4, seed=1), cfg.batch_size, 0, phase="test", shuffle=False,
+                                     drop_last=True)
+
+
+class CountedTest(Callback):
+    def __init__(self):
+        super().__init__()
+        self.samples = 0
+
+    def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self.samples += int(inputs[0].shape[0])
+
+
+def _test_with_drop_last(rank):
+    counted = CountedTest()
+    t = DropLastTestTrainer(toy_cfg(num_epochs=1, n_train=30, n_test=101, batch_size=10,
+                                    distributed=comm.get_world_size() > 1),
+                            callbacks=[LossesRecorder(), AccuracyRecorder(), counted])
+    history = t.run()
+    return {"history": history.epochs, "samples": sum(comm.all_gather_object(counted.samples))}
+
+
+def test_a_test_loader_with_drop_last_drops_the_global_batch_in_ddp_too(tmp_path):
+    # 101 test samples, batch 10: one process evaluates 100; 3 ranks (batch 3 each) once dropped
+    # their own incomplete batches and evaluated 99, so test/loss differed (0.3587 against 0.3618)
+    single = _test_with_drop_last(0)
+    ranks = run_distributed(_test_with_drop_last, 3, tmp_path, timeout=300)
+    assert single["samples"] == 100
+    for r in ranks:
+        assert r["samples"] == 100
+        assert r["history"][0]["test/loss"] == pytest.approx(single["history"][0]["test/loss"], rel=1e-6)
+        assert r["history"][0]["test/Accuracy"] == single["history"][0]["test/Accuracy"]
+
+
 def _train_cases_float64(rank, cases):
     torch.set_default_dtype(torch.float64)
     try:

@@ -47,7 +47,7 @@ class ModelCheckpoint(Callback):
             else the name (``loss``/``err`` -> min). ``inverse=True`` (the original's keyword)
             means ``"min"``.
         keep: how many per-epoch files to keep when ``start_save`` is None or -1.
-        save_freq_steps: also write ``last.pth`` every this many steps, mid-epoch (0 = off); a
+        save_freq_steps: also write ``last.pth`` every this many steps, mid-epoch (0 or None = off); a
             resume then continues inside the epoch, skipping the batches already trained.
         async_save: copy the state to CPU memory (a few ms) and write the files in a background
             thread while training goes on (default); they are complete when training ends (and
@@ -64,7 +64,7 @@ class ModelCheckpoint(Callback):
                  moder_dir: Optional[str] = None, epochs: Optional[int] = None, start_save: Optional[int] = None,
                  indicator: str = "", logger: Optional[logging.Logger] = None, model_dir: Optional[str] = None,
                  mode: Optional[str] = None, inverse: Optional[bool] = None, keep: int = 10,
-                 best_save: int = -1, save_freq_steps: int = 0, async_save: bool = True,
+                 best_save: int = -1, save_freq_steps: Optional[int] = 0, async_save: bool = True,
                  **kwargs: Any) -> None:
         super().__init__()
         folder = model_dir or moder_dir
@@ -78,7 +78,8 @@ class ModelCheckpoint(Callback):
         if start_save is not None and (not isinstance(start_save, int) or start_save < -1):
             raise ValueError(f"start_save={start_save!r} must be None, -1 (keep the last {keep}), 0 (none) "
                              f"or the first epoch to save")
-        if not isinstance(save_freq_steps, int) or save_freq_steps < 0:
+        save_freq_steps = 0 if save_freq_steps is None else save_freq_steps   # None: off, as 0
+        if not isinstance(save_freq_steps, int) or isinstance(save_freq_steps, bool) or save_freq_steps < 0:
             raise ValueError(f"save_freq_steps={save_freq_steps!r} must be an integer >= 0 (0 = only at epoch ends)")
         self._model = model
         self.optimizer = optimizer

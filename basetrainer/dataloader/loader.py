@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 class ShardSampler(Sampler):
-    """Indices ``rank, rank + world, ...``: disjoint shards that cover the data set exactly once."""
+    """Indices ``rank, rank + world, ...``: disjoint shards that cover the data set (its first
+    ``size`` samples when given) exactly once."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0) -> None:
-        self.num_samples_total = len(dataset)
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, size: Optional[int] = None) -> None:
+        self.num_samples_total = len(dataset) if size is None else size
         self.num_replicas = num_replicas
         self.rank = rank
 
@@ -84,9 +85,13 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=generator,
                   worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None)),
                   persistent_workers=persistent and num_workers > 0, **kwargs)
-    if phase == "test":
-        return DataLoader(dataset, batch_size=max(1, batch_size // world), drop_last=drop_last,
-                          sampler=ShardSampler(dataset, num_replicas=world, rank=rank), **common)
+    if phase == "test":   # drop_last: the incomplete *global* batch, as one process would
+        kept = size // batch_size * batch_size if drop_last else size
+        if kept == 0:
+            raise ValueError(f"batch_size={batch_size} is larger than the test set ({size} samples) with "
+                             f"drop_last=True: nothing would be evaluated. Lower batch_size or set drop_last=False")
+        return DataLoader(dataset, batch_size=max(1, batch_size // world), drop_last=False,
+                          sampler=ShardSampler(dataset, num_replicas=world, rank=rank, size=kept), **common)
     batches = GlobalBatchSampler(size, batch_size, world=world, rank=rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last, with_epoch=seed_per_sample)
     if len(batches) == 0:

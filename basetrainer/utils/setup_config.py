@@ -216,9 +216,13 @@ def validate(cfg: Any) -> None:
     for key in ("batch_size", "num_epochs", "log_freq", "accumulate_steps"):
         if key in cfg and cfg[key] <= 0:
             raise ValueError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
-    for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm"):
-        if key in cfg and cfg[key] is not None and cfg[key] < 0:
-            raise ValueError(f"config key {key!r} = {cfg[key]!r} must be >= 0")
+    for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
+        value = cfg.get(key) if key in cfg else None
+        if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"
+            raise ValueError(f"config key {key!r} = {value!r} must be >= 0 and finite")
+    if "seed" in cfg and not -2 ** 62 <= cfg["seed"] < 2 ** 62:   # the loaders add rank and epoch offsets
+        raise ValueError(f"config key 'seed' = {cfg['seed']!r} is out of range: use an integer of magnitude "
+                         f"below 2**62 (e.g. 2020)")
     if "lr" in cfg and not valid_lr(cfg["lr"]):
         raise ValueError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 

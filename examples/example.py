@@ -120,8 +120,10 @@ def main(cfg):
     history = t.run()
     if t.is_main_process and history.last is not None:
         key = "test/Accuracy" if "test/Accuracy" in history.last else "train/Accuracy"
-        best = max(v for v in history[key] if v is not None)
-        print(f"final {key}: {history.last[key]:.4f} (best {best:.4f}) after {len(history)} epochs; "
+        # the whole run's, a resumed one included (history holds only the epochs of this call)
+        ckpt = next(c for c in t.callbacks if isinstance(c, model_checkpoint.ModelCheckpoint))
+        best = ckpt.best if ckpt.best is not None else max(v for v in history[key] if v is not None)
+        print(f"final {key}: {history.last[key]:.4f} (best {best:.4f}) after {history.last['epoch'] + 1} epochs; "
               f"work_dir: {cfg.work_dir}", flush=True)
     return history
 

@@ -145,11 +145,15 @@ def main(cfg: Any) -> Any:
     history = t.run()
     if t.is_main_process and history.last is not None:
         last = history.last
-        best = min(range(len(history)), key=lambda i: history["test/MAE"][i])
+        # the whole run's lowest MAE, a resumed one included (history holds only this call's epochs)
+        ckpt = next(c for c in t.callbacks if isinstance(c, model_checkpoint.ModelCheckpoint))
+        at_best = [row for row in history.epochs if row["epoch"] == ckpt.best_epoch]
+        r2 = f", R2 {at_best[0]['test/R2']:.4f}" if at_best else ""
         print(f"final test/R2: {last['test/R2']:.4f} test/MAE: {last['test/MAE']:.4f} "
-              f"(lowest MAE {history['test/MAE'][best]:.4f} at epoch {best}, R2 {history['test/R2'][best]:.4f}); "
+              f"(lowest MAE {ckpt.best:.4f} at epoch {ckpt.best_epoch}{r2}); "
               f"linear regression baseline R2: {t.data['linear_r2']:.4f} MAE: {t.data['linear_mae']:.4f}; "
-              f"{len(history)} epochs in {time.perf_counter() - start:.1f} s; work_dir: {cfg.work_dir}", flush=True)
+              f"{last['epoch'] + 1} epochs ({len(history)} in this call) in {time.perf_counter() - start:.1f} s; "
+              f"work_dir: {cfg.work_dir}", flush=True)
     return history
 
 

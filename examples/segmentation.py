@@ -225,11 +225,13 @@ def main(cfg: Any) -> Any:
     if t.is_main_process and history.last is not None:
         phase = "test" if "test/IoU" in history.last else "train"
         ious = per_class_iou(history.last, phase)
-        best = max(v for v in history[f"{phase}/IoU"] if v is not None)
+        # the whole run's, a resumed one included (history holds only the epochs of this call)
+        ckpt = next(c for c in t.callbacks if isinstance(c, model_checkpoint.ModelCheckpoint))
+        best = ckpt.best if ckpt.best is not None else max(v for v in history[f"{phase}/IoU"] if v is not None)
         shapes = [ious[c] for c in CLASSES[1:]]
         print(f"final {phase}/IoU: " + ", ".join(f"{c} {v:.4f}" for c, v in ious.items())
               + f"; min over shapes {min(shapes):.4f}; mean IoU {history.last[f'{phase}/IoU']:.4f} (best {best:.4f}) "
-              f"after {len(history)} epochs in {time.perf_counter() - start:.1f} s; work_dir: {cfg.work_dir}",
+              f"after {history.last['epoch'] + 1} epochs in {time.perf_counter() - start:.1f} s; work_dir: {cfg.work_dir}",
               flush=True)
     return history
 

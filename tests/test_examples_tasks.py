@@ -195,3 +195,18 @@ def test_shapes_are_seeded_by_sample():
     masks = torch.stack([a[i]["mask"] for i in range(8)])
     assert set(masks.unique().tolist()) == {0, 1, 2, 3}
     assert a[0]["image"].shape == (3, 32, 32) and a[0]["mask"].dtype == torch.long
+
+
+def test_regression_summary_after_a_resume_covers_the_whole_run(tmp_path):
+    """run() returns the epochs of its own call: after a resume the example's summary takes the
+    lowest MAE and the epoch count from the whole run (it once said "at epoch 1 ... 2 epochs")."""
+    work = tmp_path / "reg"
+    first = _run_all(tmp_path, {"a": (REGRESSION, ["--num_epochs", "4", "--work_dir", str(work)])})["a"]
+    assert first[0] == 0, first[1][-4000:]
+    code, out = _run_all(tmp_path, {"b": (REGRESSION, ["--num_epochs", "6", "--resume", "auto",
+                                                       "--work_dir", str(work)])})["b"]
+    assert code == 0, out[-4000:]
+    maes = [float(r["test/MAE"]) for r in _history(work)]
+    assert len(maes) == 6
+    assert f"(lowest MAE {min(maes):.4f} at epoch {maes.index(min(maes))}" in out
+    assert "; 6 epochs (2 in this call) in" in out

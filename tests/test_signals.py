@@ -174,6 +174,45 @@ def test_sigint_to_the_process_group_exits_130(tmp_path, script):
     assert torch.load(work / "model" / "last.pth", weights_only=True)["batch"] == 3
 
 
+@pytest.mark.parametrize("first,again", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT)])
+def test_one_request_delivered_twice_still_preempts_cleanly(tmp_path, script, first, again):
+    # `timeout` (and many launchers) pass a signal on to the child and to its group: one request
+    # arrives twice within milliseconds. It once counted as a second Ctrl-C: KeyboardInterrupt,
+    # no checkpoint, the epoch's steps lost
+    work = tmp_path / "run"
+    proc = _start(script, work, 2, pause=True)
+    _signal_group_when_ready(proc, work, first)
+    time.sleep(0.05)
+    os.killpg(proc.pid, again)
+    code, _, err = _finish(proc)
+    assert code == 128 + first, err[-3000:]            # the first signal decides the status
+    assert "KeyboardInterrupt" not in err
+    assert torch.load(work / "model" / "last.pth", weights_only=True)["batch"] == 3
+
+
+def test_one_ctrl_c_delivered_twice_to_a_ddp_job_preempts_every_rank(tmp_path, script):
+    work = tmp_path / "run"
+    proc = _start(script, work, 0, pause=True, ddp=True)
+    _signal_group_when_ready(proc, work, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, _, err = _finish(proc)
+    assert code == 128 + signal.SIGINT, err[-3000:]      # once: exit 1, a rank killed, no checkpoint
+    assert (torch.load(work / "model" / "last.pth", weights_only=True)["batch"]) == 4
+
+
+def test_a_second_ctrl_c_a_second_later_stops_at_once(tmp_path, script):
+    work = tmp_path / "run"
+    proc = _start(script, work, 0, pause=True)
+    _signal_group_when_ready(proc, work, signal.SIGINT)
+    time.sleep(1.5)                                     # inside the paused step (3 s)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, _, err = _finish(proc)
+    assert code in (-signal.SIGINT, 128 + signal.SIGINT, 1), err[-3000:]
+    assert "KeyboardInterrupt" in err                   # at once: no preemption checkpoint
+    assert torch.load(work / "model" / "last.pth", weights_only=True)["epoch_complete"] is True
+
+
 def _reference(work):
     """The script's 2-epoch run, uninterrupted, in this process (DDP equals one process)."""
     from basetrainer.callbacks.losses_recorder import LossesRecorder

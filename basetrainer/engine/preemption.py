@@ -12,19 +12,31 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A signal within this many seconds of the first is the same request delivered again, not a
+# second Ctrl-C: ``timeout``, shells and launchers pass a signal on to the child *and* to its
+# process group, so one request can arrive twice within milliseconds.
+REPEAT_S = 1.0
+
+
+def forces_stop(signum: int, first_at: float) -> bool:
+    """Whether ``signum``, arriving after a first signal received at ``first_at``
+    (``time.monotonic()``), is a second Ctrl-C that stops at once."""
+    return signum == signal.SIGINT and time.monotonic() - first_at >= REPEAT_S
 
 
 class Preemption:
-    """Signal handlers of one ``run()``: a first SIGTERM/SIGINT asks to stop; a second Ctrl-C
-    stops at once (KeyboardInterrupt)."""
+    """Signal handlers of one ``run()``: a first SIGTERM/SIGINT asks to stop; a second Ctrl-C,
+    a second or more later, stops at once (KeyboardInterrupt)."""
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self._first_at = 0.0
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "Preemption":
@@ -34,10 +46,10 @@ class Preemption:
 
         def handler(signum: int, frame: Any) -> None:
             if self.signum is not None:
-                if signum == signal.SIGINT:
+                if forces_stop(signum, self._first_at):
                     raise KeyboardInterrupt  # a second Ctrl-C stops at once
                 return  # the first signal decides the exit status (a launcher passes it on too)
-            self.signum = signum
+            self.signum, self._first_at = signum, time.monotonic()
             logger.warning("received signal %d: stopping after this step and saving a checkpoint", signum)
 
         for sig in _SIGNALS:

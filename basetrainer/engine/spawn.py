@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from basetrainer.engine import preemption
 from basetrainer.runtime.processes import ProcessTree
 
 _PREEMPTED = (128 + signal.SIGTERM, 128 + signal.SIGINT)
@@ -30,11 +31,15 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     procs = context.processes
     tree = ProcessTree(p.pid for p in procs)
     received: List[int] = []
+    first_at = [0.0]
 
     def on_signal(signum: int, frame: Any) -> None:
-        if received and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if received:
+            if preemption.forces_stop(signum, first_at[0]):
+                raise KeyboardInterrupt
+            return   # the same request again (see preemption.REPEAT_S); the ranks have it
         received.append(signum)
+        first_at[0] = time.monotonic()
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)  # ranks keep the first signal they saw

@@ -96,8 +96,9 @@ def _refuse_other_runs(trainer: Any, state: dict, path: str) -> None:
     changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg))
     breaking = [c for c in changes if c[0] in checkpoint.IDENTITY_KEYS]
     _, phase, batch = checkpoint.position(state)
-    if phase == "train" and batch:  # the position inside the epoch counts batches of the old size
-        breaking += [c for c in changes if c[0] == "batch_size"]
+    if phase == "train" and batch:  # the position inside the epoch counts batches of the old size,
+        # and the epoch's accumulation windows (and their weights) are laid out from its first batch
+        breaking += [c for c in changes if c[0] in ("batch_size", "accumulate_steps")]
     if breaking:
         raise ValueError(
             f"resume from {path}: the config changes what is trained, so this would not continue that run: "

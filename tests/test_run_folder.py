@@ -502,3 +502,56 @@ def test_a_run_without_checkpoints_leaves_no_file_and_runs_again(tmp_path, monke
     for _ in range(2):   # the default work_dir, no ModelCheckpoint: nothing to protect, nothing written
         ToyTrainer(Config(num_epochs=1, progress=False, gpu_id=[])).run()
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- a run still training
+def test_resume_auto_is_refused_while_the_run_is_still_training_elsewhere(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from basetrainer.runtime import run_folder
+
+    work = tmp_path / "work"
+    go = tmp_path / "go"
+    script = tmp_path / "a.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from conftest import ToyTrainer, toy_cfg
+        from basetrainer.callbacks.callbacks import Callback
+        from basetrainer.callbacks.losses_recorder import LossesRecorder
+        from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+        class Hold(Callback):   # run A trains on until the test lets it go
+            def on_epoch_begin(self, epoch, logs=None):
+                while epoch == 1 and not os.path.exists({str(go)!r}):
+                    time.sleep(0.05)
+
+        t = ToyTrainer(toy_cfg(num_epochs=2, n_train=64, n_test=16, work_dir={str(work)!r}),
+                       callbacks=[LossesRecorder(), Hold(),
+                                  ModelCheckpoint(model_dir={str(work / "model")!r}, indicator="loss", async_save=False)])
+        t.run()
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "model" / "last.pth").exists():    # A saved epoch 0 and waits
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        before = digests(work / "model")
+        with pytest.raises(RuntimeError) as err:             # once: accepted, and the two runs mixed their files
+            run(work, epochs=2, resume="auto", lr=0.05)
+        assert f"process {proc.pid}" in str(err.value) and "still training" in str(err.value)
+        assert digests(work / "model") == before
+        go.touch()
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert run_folder.read_marker(str(work / "model"))["ended"]
+    t = run(work, epochs=3, resume="auto")                   # A has ended: its run goes on here
+    assert t.start_epoch == 2

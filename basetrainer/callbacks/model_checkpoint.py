@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, infer_mode, mode_of_indicator, resolve_indicator
-from basetrainer.runtime import atomic, checkpoint
+from basetrainer.runtime import atomic, checkpoint, run_folder
 from basetrainer.runtime.modules import unwrap_model
 
 _logger = logging.getLogger(__name__)
@@ -197,7 +197,11 @@ class ModelCheckpoint(Callback):
             self.trainer.save_checkpoint(background=self.async_save)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
-        atomic.wait_for_writes()  # every file is complete when training returns
+        try:
+            atomic.wait_for_writes()  # every file is complete when training returns
+        finally:
+            if self.is_main_process:
+                run_folder.mark_ended(self.model_dir)   # another process may resume it now
 
     # ---------------------------------------------------------------- files
     def _weights_copy(self) -> Dict[str, torch.Tensor]:

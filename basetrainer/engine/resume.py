@@ -139,6 +139,7 @@ def _decide(trainer: Any) -> Dict[str, Any]:
     trainer._checkpoint_dir = chosen = _choose_folder(trainer)
     folder = trainer.checkpoint_folder()
     decision: Dict[str, Any] = {"folder": chosen, "path": None}
+    run_folder.check_not_running(chosen)
     for f in _folders(trainer, folder):
         if os.path.isdir(f) and not os.access(f, os.W_OK | os.X_OK):
             raise PermissionError(f"this run cannot write to {f} (read-only?): give it a folder it may write to")
@@ -147,6 +148,8 @@ def _decide(trainer: Any) -> Dict[str, Any]:
     for f in _folders(trainer, folder):
         atomic.remove_stale_temps(f)
     if trainer.runs_done and trainer.run_id is not None:   # run() again: it goes on with its own files
+        if _owned(trainer, folder):
+            run_folder.write_marker(folder.folder, trainer.run_id)
         return {**decision, "run_id": trainer.run_id, "again": True}
     marker = run_folder.read_marker(chosen)
     if resume == "auto" and not overwrite:
@@ -227,7 +230,7 @@ def prepare_run(trainer: Any) -> None:
         trainer.start_epoch = max(trainer.start_epoch, int(trainer.num_epochs))
     if comm.is_main_process():
         folder = trainer.checkpoint_folder()
-        if _owned(trainer, folder) and run_folder.read_marker(folder.folder) is None:
+        if _owned(trainer, folder):   # this process holds the run now (see run_folder.check_not_running)
             run_folder.write_marker(folder.folder, trainer.run_id)
         if changes:
             logger.warning("resume from %s: the config differs from the checkpoint's; using the new values:\n%s",

@@ -205,7 +205,7 @@ def stale_temps(folder: Optional[str]) -> List[str]:
         if not match:
             continue
         pid = int(match.group("pid") or match.group("legacy_pid"))
-        if match.group("host") in (None, host) and not _pid_alive(pid):
+        if match.group("host") in (None, host) and not pid_alive(pid):
             found.append(os.path.join(folder, name))
     return sorted(found)
 
@@ -224,7 +224,8 @@ def remove_stale_temps(folder: Optional[str]) -> List[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine exists (this process counts)."""
     if pid == os.getpid():
         return True
     try:

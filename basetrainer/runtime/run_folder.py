@@ -7,9 +7,10 @@ A new run in a folder that holds another run's files is refused, unless it resum
 import json
 import logging
 import os
+import socket
 import time
 import uuid
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 from basetrainer.runtime import atomic
 
@@ -33,9 +34,64 @@ def read_marker(folder: Optional[str]) -> Optional[dict]:
         return None
 
 
+def _proc_stat(pid: int) -> Tuple[Optional[str], Optional[int]]:
+    """Process ``pid``'s state letter and when it started (clock ticks after boot; this tells it
+    from a later process reusing the number), from Linux's /proc; (None, None) where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None, None
+
+
 def write_marker(folder: str, run_id: str) -> None:
-    text = json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()})
+    pid = os.getpid()
+    text = json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": pid,
+                       "host": socket.gethostname(), "pid_started": _proc_stat(pid)[1]})
     atomic.write_atomically(text, os.path.join(folder, MARKER))
+
+
+def mark_ended(folder: str) -> None:
+    """Note in ``folder``'s marker that this process's run has ended (its process may live on,
+    e.g. a notebook's), so that another process may resume it."""
+    marker = read_marker(folder)
+    if marker and marker.get("pid") == os.getpid() and not marker.get("ended"):
+        marker["ended"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            atomic.write_atomically(json.dumps(marker), os.path.join(folder, MARKER))
+        except OSError as e:   # a full disk: the marker then still names this (soon ended) process
+            logger.warning("could not note the end of the run in %s: %s", folder, e)
+
+
+def running_elsewhere(marker: Optional[dict]) -> bool:
+    """Whether the run that wrote ``marker`` is still alive in another process of this machine
+    (markers of other hosts, or of 2.0 runs without a host, cannot be checked: False)."""
+    if (not marker or marker.get("ended") or marker.get("host") != socket.gethostname()
+            or not isinstance(marker.get("pid"), int)):
+        return False
+    pid = marker["pid"]
+    if pid == os.getpid() or not atomic.pid_alive(pid):
+        return False
+    state, started = _proc_stat(pid)
+    if state in ("Z", "X"):   # exited, not yet reaped
+        return False
+    return marker.get("pid_started") is None or started in (None, marker["pid_started"])
+
+
+def check_not_running(folder: Optional[str]) -> None:
+    """Refuse to start in ``folder`` while the run that marked it is still training.
+
+    Raises:
+        RuntimeError: naming the run, its process and what to do.
+    """
+    marker = read_marker(folder)
+    if running_elsewhere(marker):
+        raise RuntimeError(
+            f"{folder} belongs to run {marker.get('run_id')}, which is still training (process {marker['pid']} on "
+            f"this machine, started {marker.get('started')}); two runs in one folder would overwrite each other's "
+            f"checkpoints. Wait for it to end (or stop it: kill -TERM {marker['pid']} saves a checkpoint), then "
+            f"resume: auto; or give this run another work_dir")
 
 
 def find_runs(root: Optional[str], depth: int = 3) -> List[str]:

@@ -352,20 +352,40 @@ def test_a_fallback_to_last_prev_keeps_it_until_a_good_last_pth_is_written(tmp_p
     assert os.path.exists(work / "model" / "last.pth.damaged")
 
 
-def test_a_fallback_names_the_best_file_the_damaged_save_wrote_and_keeps_it(tmp_path, caplog):
+@pytest.mark.parametrize("again", [[0.5, 0.4, 0.45], [0.5, 0.4, 0.3]])
+def test_a_fallback_sets_aside_the_files_the_damaged_save_wrote(tmp_path, caplog, again):
     work = tmp_path / "work"
     run(work, epochs=3, callbacks=[Scripted(**{"test/loss": [0.5, 0.4, 0.3]}), checkpointed(work)])
     newest = glob.glob(str(work / "model" / "best_model_002_*.pth"))
     assert len(newest) == 1 and not glob.glob(str(work / "model" / "best_model_001_*.pth"))
-    kept = digests(work / "model")[os.path.basename(newest[0])]
+    name = os.path.basename(newest[0])
+    original = digests(work / "model")[name]
     _truncate(work / "model" / "last.pth")      # resume falls back to last.prev.pth (epoch 1, best: epoch 1)
     with caplog.at_level(logging.WARNING, logger="basetrainer"):
-        run(work, epochs=3, resume="auto", callbacks=[Scripted(**{"test/loss": [0.5, 0.4, 0.45]}), checkpointed(work)])
+        # a changed lr (allowed on resume): epoch 2 trained again gives other weights, and with the
+        # same figure the same file name, which once overwrote the damaged save's best file
+        run(work, epochs=4, resume="auto", lr=0.05,
+            callbacks=[Scripted(**{"test/loss": again + [0.1]}), checkpointed(work)])
     warning = [r.getMessage() for r in caplog.records if "best weights so far" in r.getMessage()]
     assert len(warning) == 1
     assert "best_model_001_0.4000.pth" in warning[0] and "last.prev.pth" in warning[0]
-    assert os.path.basename(newest[0]) in warning[0]           # the damaged save's best file, named
-    assert digests(work / "model")[os.path.basename(newest[0])] == kept     # and left as it was
+    assert f"{name}.kept" in warning[0]
+    files = digests(work / "model")
+    assert files[f"{name}.kept"] == original     # set aside whole: not overwritten, not deleted
+    assert [f for f in files if f.startswith("best_model_") and f.endswith(".pth")] == ["best_model_003_0.1000.pth"]
+
+
+def test_a_second_damaged_last_pth_keeps_the_first_one_aside(tmp_path):
+    work = tmp_path / "work"
+    run(work, epochs=2)
+    _truncate(work / "model" / "last.pth")
+    first = digests(work / "model")["last.pth"]
+    run(work, epochs=3, resume="auto")
+    _truncate(work / "model" / "last.pth")
+    second = digests(work / "model")["last.pth"]
+    run(work, epochs=4, resume="auto")
+    files = digests(work / "model")
+    assert files["last.pth.damaged"] == first and files["last.pth.damaged.2"] == second
 
 
 def test_a_complete_last_pth_left_in_a_temp_file_is_recovered(tmp_path, caplog):

@@ -3,6 +3,7 @@ import glob
 import logging
 import math
 import os
+import re
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -138,17 +139,15 @@ class ModelCheckpoint(Callback):
                 found = glob.glob(os.path.join(self.model_dir, f"best_model_{self.best_epoch:03d}_*.pth"))
                 self.best_file = found[0] if len(found) == 1 else None
             if self.best_file is not None and not os.path.exists(self.best_file):
-                tag = f"{self._tag}_" if self._tag else ""
-                present = sorted(os.path.basename(p) for p in glob.glob(os.path.join(self.model_dir,
-                                                                                     f"best_model_{tag}*.pth")))
+                kept = self._set_aside_newer_files()
                 self.logger.warning(
                     "the best weights so far (%s=%s, epoch %s, %s) are not in %s: the save after the checkpoint this "
                     "run resumed from removed them (resume fell back to %s), or that checkpoint comes from another "
                     "folder. %s; a new best file is written when an epoch beats %s=%s",
                     self.indicator, self.best, self.best_epoch, os.path.basename(self.best_file), self.model_dir,
                     checkpoint.PREVIOUS,
-                    f"Kept, not counted as best by this run: {', '.join(present)}" if present
-                    else "No best file is there", self.indicator, self.best)
+                    f"The files that save wrote for the epochs trained again are set aside, never overwritten or "
+                    f"deleted: {', '.join(kept)}" if kept else "No later file of it is there", self.indicator, self.best)
             self._remove(self._superseded)  # left by a run killed after its last.pth was written
             self._superseded = []
 
@@ -204,6 +203,23 @@ class ModelCheckpoint(Callback):
                 run_folder.mark_ended(self.model_dir)   # another process may resume it now
 
     # ---------------------------------------------------------------- files
+    def _set_aside_newer_files(self) -> List[str]:
+        """Rename this callback's weights files of the epochs this run trains again (written by a
+        save newer than the checkpoint resumed from) to ``<name>.kept``: training them again
+        would write over them, and a later cleanup delete them."""
+        tag = re.escape(f"{self._tag}_" if self._tag else "")
+        pattern = re.compile(rf"(best_model_|model_){tag}(\d{{3,}})(_[^_]*)?\.pth")
+        kept = []
+        for name in sorted(os.listdir(self.model_dir)) if os.path.isdir(self.model_dir) else []:
+            match = pattern.fullmatch(name)
+            if match and int(match.group(2)) >= getattr(self.trainer, "start_epoch", 0):
+                dest = atomic.fresh_name(os.path.join(self.model_dir, name + ".kept"))
+                os.replace(os.path.join(self.model_dir, name), dest)
+                kept.append(os.path.basename(dest))
+        if kept:
+            atomic.fsync_folder(self.model_dir)
+        return kept
+
     def _weights_copy(self) -> Dict[str, torch.Tensor]:
         weights = unwrap_model(self._model).state_dict()
         return atomic.snapshot(weights) if self.async_save else weights

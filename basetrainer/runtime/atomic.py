@@ -237,6 +237,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def fresh_name(path: str) -> str:
+    """``path``, or ``path.2``, ``path.3``, ... : the first name no file has yet."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
+
+
 def snapshot(obj: Any) -> Any:
     """A copy of ``obj`` (dicts, lists, tuples of tensors and plain values) whose tensors no
     longer share memory with the live model or optimizer, on the CPU."""

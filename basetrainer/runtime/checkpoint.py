@@ -377,8 +377,9 @@ class CheckpointFolder:
         if keep and self._last_damaged:   # set the damaged last.pth aside: last.prev.pth is the good one
             self._last_damaged, keep = False, None
             if os.path.exists(self.last):
-                os.replace(self.last, self.last + ".damaged")
-                logger.warning("moved the damaged %s to %s.damaged; %s stays", self.last, self.last, self.previous)
+                damaged = atomic.fresh_name(self.last + ".damaged")   # an earlier one is kept too
+                os.replace(self.last, damaged)
+                logger.warning("moved the damaged %s to %s; %s stays", self.last, damaged, self.previous)
 
         def job(saved: dict) -> None:
             try:

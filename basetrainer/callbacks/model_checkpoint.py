@@ -213,11 +213,7 @@ class ModelCheckpoint(Callback):
         for name in sorted(os.listdir(self.model_dir)) if os.path.isdir(self.model_dir) else []:
             match = pattern.fullmatch(name)
             if match and int(match.group(2)) >= getattr(self.trainer, "start_epoch", 0):
-                dest = atomic.fresh_name(os.path.join(self.model_dir, name + ".kept"))
-                os.replace(os.path.join(self.model_dir, name), dest)
-                kept.append(os.path.basename(dest))
-        if kept:
-            atomic.fsync_folder(self.model_dir)
+                kept.append(os.path.basename(atomic.set_aside(os.path.join(self.model_dir, name), ".kept")))
         return kept
 
     def _weights_copy(self) -> Dict[str, torch.Tensor]:

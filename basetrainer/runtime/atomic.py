@@ -246,6 +246,15 @@ def fresh_name(path: str) -> str:
     return candidate
 
 
+def set_aside(path: str, suffix: str) -> str:
+    """Rename ``path`` to ``path + suffix`` (or :func:`fresh_name` of it, never over another
+    file) and return the new path; the folder is fsynced."""
+    dest = fresh_name(path + suffix)
+    os.replace(path, dest)
+    fsync_folder(os.path.dirname(path) or ".")
+    return dest
+
+
 def snapshot(obj: Any) -> Any:
     """A copy of ``obj`` (dicts, lists, tuples of tensors and plain values) whose tensors no
     longer share memory with the live model or optimizer, on the CPU."""

@@ -377,8 +377,7 @@ class CheckpointFolder:
         if keep and self._last_damaged:   # set the damaged last.pth aside: last.prev.pth is the good one
             self._last_damaged, keep = False, None
             if os.path.exists(self.last):
-                damaged = atomic.fresh_name(self.last + ".damaged")   # an earlier one is kept too
-                os.replace(self.last, damaged)
+                damaged = atomic.set_aside(self.last, ".damaged")   # never over an earlier one
                 logger.warning("moved the damaged %s to %s; %s stays", self.last, damaged, self.previous)
 
         def job(saved: dict) -> None:

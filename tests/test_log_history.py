@@ -104,3 +104,27 @@ def test_step_lines_every_log_freq(tmp_path, caplog):
 def test_bad_log_freq():
     with pytest.raises(ValueError, match="log_freq"):
         LogHistory(log_dir="x", log_freq=0)
+
+
+def test_step_scalars_of_earlier_epochs_survive_a_resume_with_another_batch_size(tmp_path):
+    """The x of a step scalar counts the steps really taken: a resume with a larger batch (fewer
+    steps an epoch) goes on after the last one. It used to restart at epoch * (new steps an
+    epoch) and purge the events from there: the step scalars of epoch 1 were deleted."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+    def run(batch_size, epochs, resume):
+        cfg = toy_cfg(n_train=80, n_test=16, num_epochs=epochs, batch_size=batch_size,
+                      work_dir=str(tmp_path), resume=resume)
+        callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=str(tmp_path / "model"), indicator="loss"),
+                     LogHistory(log_dir=str(tmp_path / "log"), log_freq=1)]
+        ToyTrainer(cfg, callbacks=callbacks).run()
+        acc = EventAccumulator(str(tmp_path / "log" / "steps"))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("train_step/loss")]
+
+    first = run(8, 2, "")          # 10 steps an epoch: x 1..20
+    assert [x for x, _ in first] == list(range(1, 21))
+    resumed = run(16, 3, "auto")   # epoch 2 with 5 steps: x 21..25
+    assert resumed[:20] == first
+    assert [x for x, _ in resumed] == list(range(1, 26))

@@ -74,6 +74,8 @@ class LogHistory(Callback):
         self._t_train = self._t_epoch = self._t_window = 0.0
         self._samples_window = 0
         self._steps_done = 0
+        self.step_ends: Dict[int, int] = {}   # epoch -> x of its last step (steps taken since epoch 0)
+        self._step_base = 0                   # x of the step before the current epoch's first
         self.step_writer: Any = None
         self.csv = True
         self.trackers: List[tracking.Tracker] = []   # built here from ``loggers`` (their state is ours)
@@ -132,13 +134,14 @@ class LogHistory(Callback):
         return sorted([p for p in names if os.path.exists(p)] + events)
 
     def state_dict(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = {"rows": [dict(r) for r in self.rows]}
+        state: Dict[str, Any] = {"rows": [dict(r) for r in self.rows], "step_ends": dict(self.step_ends)}
         if self.trackers:
             state["trackers"] = {t.state_key: t.state_dict() for t in self.trackers}
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.rows = [dict(r) for r in state.get("rows") or []]
+        self.step_ends = {int(k): int(v) for k, v in (state.get("step_ends") or {}).items()}
         self._tracker_states = dict(state.get("trackers") or {})
         for t in self.trackers:
             if t.state_key in self._tracker_states:
@@ -154,6 +157,18 @@ class LogHistory(Callback):
             if self.indicators is None or any(name.startswith(i) for i in self.indicators):
                 out[name] = value
         return out
+
+    def steps_before(self, epoch: int) -> int:
+        """Train steps taken before ``epoch`` began: the x axis of step scalars and trackers.
+
+        Counted as the run went, so a resume with another batch size goes on after the steps
+        of the epochs before it (a checkpoint of 2.0, which lacks the count, gives
+        ``epoch * steps an epoch``).
+        """
+        if epoch - 1 in self.step_ends:
+            return self.step_ends[epoch - 1]
+        loader = getattr(self.trainer, "train_loader", None)
+        return epoch * (len(loader) if loader is not None else 1)
 
     def _open_writer(self, epoch: int, step: int) -> None:
         """TensorBoard writers whose events from ``epoch`` / ``step`` on replace older ones."""
@@ -178,19 +193,21 @@ class LogHistory(Callback):
         self._steps_done = 0
         start = getattr(self.trainer, "start_epoch", 0)
         self.rows = [r for r in self.rows if r.get("epoch", 0) < start]   # a resume keeps the epochs before it
+        self.step_ends = {e: x for e, x in self.step_ends.items() if e < start}
+        self._step_base = self.steps_before(start)
         if self.is_main_process and (start or getattr(self.trainer, "batch_in_epoch", 0)):
             self.logger.info("resumed at epoch %d, step %d: lines above about later steps came from the interrupted "
                              "run and are done again below", start, getattr(self.trainer, "batch_in_epoch", 0))
         if self.is_main_process:
             os.makedirs(self.log_dir, exist_ok=True)
-            steps = len(self.trainer.train_loader) if getattr(self.trainer, "train_loader", None) is not None else 0
-            self._open_writer(start, start * steps + getattr(self.trainer, "batch_in_epoch", 0) + 1)
+            self._open_writer(start, self._step_base + getattr(self.trainer, "batch_in_epoch", 0) + 1)
         for t in self.trackers:   # the trainer calls its own tracker callbacks itself
             t.on_train_begin(logs)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._t_epoch = self._t_window = time.perf_counter()
         self._samples_window = 0
+        self._step_base = self.steps_before(epoch)
 
     def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
                          logs: Optional[dict] = None) -> None:
@@ -214,7 +231,7 @@ class LogHistory(Callback):
         self.logger.info("epoch %d/%d step %d/%d %s%s | %.1f samples/s | ETA %s", trainer.epoch,
                          trainer.num_epochs, batch + 1, steps, text, f" lr: {lr:.6g}" if lr is not None else "",
                          rate, _fmt_time(eta))
-        step = trainer.epoch * steps + batch + 1
+        step = self._step_base + batch + 1
         scalars = {f"train_step/{name}": value for name, value in figures.items()}
         if lr is not None:
             scalars["train_step/lr"] = lr
@@ -225,6 +242,8 @@ class LogHistory(Callback):
             t.log_step(step, scalars)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        loader = getattr(self.trainer, "train_loader", None)
+        self.step_ends[epoch] = self._step_base + (len(loader) if loader is not None else 1)
         if not self.is_main_process:
             return
         logs = logs or {}
@@ -245,7 +264,7 @@ class LogHistory(Callback):
             self._write_csv()
         figures = {k: v for k, v in row.items() if k != "epoch"}
         for t in self.sinks:
-            t.log_epoch(epoch, figures, (epoch + 1) * t.steps_per_epoch())
+            t.log_epoch(epoch, figures, self.step_ends[epoch])
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         for writer in (self.writer, self.step_writer):

@@ -165,12 +165,11 @@ class Tracker(Callback):
         self._guard("starting the run", lambda: self._start(start))
         self._active = not self.failed
         if start and self._active:   # resumed: the epochs before it, where the run lacks them
-            steps = self.steps_per_epoch()
             for row in getattr(self.log_history, "rows", None) or []:
                 epoch = int(row.get("epoch", 0))
                 if epoch < start:
                     figures = {k: v for k, v in row.items() if k != "epoch"}
-                    self.log_epoch(epoch, figures, (epoch + 1) * steps)
+                    self.log_epoch(epoch, figures, self.log_history.steps_before(epoch + 1))
 
     def steps_per_epoch(self) -> int:
         loader = getattr(self.trainer, "train_loader", None)

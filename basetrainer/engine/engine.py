@@ -18,7 +18,6 @@ from basetrainer.engine.checks import check_ready
 from basetrainer.engine.guard import NonFiniteGuard, total_loss
 from basetrainer.engine.history import History
 from basetrainer.engine import preemption
-from basetrainer.engine.preemption import Preemption, shield_loader
 from basetrainer.engine.run_state import RunState
 from basetrainer.engine.steps import EpochSteps
 from basetrainer.models.sync_batchnorm import placeholder_batch
@@ -70,7 +69,7 @@ class Engine(RunState):
         self._checkpoint_dir: Optional[str] = None      # chosen when the run starts (resume.prepare_run)
         self._callbacks = CallbackList([], self)
         self._guard = NonFiniteGuard()
-        self._preemption = Preemption()
+        self._preemption = preemption.Preemption()
         self._steps_in_epoch, self._group_size = 0, 1
         self._non_blocking = False
         self._skip_batches = 0          # mid-epoch resume: batches of start_epoch already trained
@@ -109,7 +108,7 @@ class Engine(RunState):
         self.logs = logs = {**self._restored_logs, **(logs or {})}
         self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
         for loader in (self.train_loader, self.test_loader):
-            shield_loader(loader)
+            preemption.shield_loader(loader)
         self.history, self.stop_training, self._stop_agreed = History(), False, False
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -127,6 +126,7 @@ class Engine(RunState):
                 finished = True
             finally:
                 self.runs_done += 1
+                preemption.end_workers(self.train_loader, self.test_loader)
                 self._callbacks.call_all("on_train_end", logs, raise_first=finished)  # always, all
         return self.history
 

@@ -7,6 +7,7 @@ job with several tasks -> this process joins that world; otherwise it spawns
 import datetime
 import gc
 import logging
+import multiprocessing
 import os
 import pickle
 import socket
@@ -159,8 +160,11 @@ def _leave_group() -> None:
 
 
 def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, nprocs: int,
-            machine_rank: int, backend: str, dist_url: str, timeout: datetime.timedelta) -> None:
+            machine_rank: int, backend: str, dist_url: str, timeout: datetime.timedelta,
+            children: Optional[str] = None) -> None:
     rank = machine_rank * nprocs + local_rank
+    if children:   # the launcher's start method (its platform's default unless it set one)
+        multiprocessing.set_start_method(children, force=True)
     if backend == "gloo" and not torch.cuda.is_available():  # CPU training: share the cores, don't oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or nprocs) // nprocs))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
@@ -235,6 +239,9 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
     backend = _pick_backend(backend, num_gpus_per_machine)
     url = _resolve_url(dist_url, num_machines)
     world_size = num_machines * num_gpus_per_machine
+    # a spawned process starts its own children by spawn too: the ranks' DataLoader workers would
+    # import torch and the script again (seconds each), unlike the same script under torchrun
+    children = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     spawn(_worker, num_gpus_per_machine,
-           (main_func, args, world_size, num_gpus_per_machine, machine_rank, backend, url, timeout))
+          (main_func, args, world_size, num_gpus_per_machine, machine_rank, backend, url, timeout, children))
     return None

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterator, Optional
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,36 @@ def start(loader: Any) -> Iterator[Any]:
         return iter(loader)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
     try:
-        return iter(loader)
+        it = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    if hasattr(it, "_shutdown_workers"):   # for end_workers (weakly: a finished loop frees it)
+        try:
+            loader.__dict__["_basetrainer_iterator"] = weakref.ref(it)
+        except (AttributeError, TypeError):
+            pass
+    return it
+
+
+def end_workers(*loaders: Any) -> None:
+    """Stop the worker processes of ``loaders`` now: their persistent iterators, and the
+    iterator of a loop that raised (its traceback keeps it).
+
+    Left to torch they stop when the iterator is freed, and a trainer's are freed by the garbage
+    collector (the trainer lives in a reference cycle with its callbacks), which closes the
+    iterator's queues first: each worker never gets its stop message and is waited for 5 s.
+    Never raises (a worker that does not stop is torch's to kill).
+    """
+    for loader in loaders:
+        ref = getattr(loader, "__dict__", {}).pop("_basetrainer_iterator", None)
+        for it in (getattr(loader, "_iterator", None), ref() if ref is not None else None):
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                try:
+                    it._shutdown_workers()
+                except Exception as e:  # pragma: no cover - torch's shutdown does not raise
+                    logger.warning("stopping the DataLoader workers failed: %s", e)
+        if getattr(loader, "_iterator", None) is not None:
+            loader._iterator = None   # the next epoch (a later run()) starts new workers
 
 
 def shield_worker() -> None:

@@ -1,0 +1,141 @@
+"""DataLoader worker processes: ``run()`` ends the ones it started, on every path, and ranks
+started by ``launch()`` start theirs as under torchrun.
+
+Left to torch, a trainer's workers end when its iterator is freed. A trainer lives in a
+reference cycle with its callbacks, so the garbage collector frees it, and it closes the
+iterator's queues before the iterator: each worker then never gets its stop message and is
+waited for 5 s (``launch()`` collects every rank's garbage before it leaves: 10 s more per DDP
+run with 2 workers). An iterator whose worker raised is kept by the traceback the same way.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from conftest import ROOT, ToyTrainer, blobs, toy_cfg
+
+PY = sys.executable
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _note_pid(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+
+
+class _NotePid:
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, worker_id):
+        _note_pid(self.folder)
+
+
+class _Failing(Dataset):
+    """The blobs, but item ``bad`` raises (in whichever worker loads it)."""
+
+    def __init__(self, bad):
+        self.data, self.bad = blobs(64, 4, seed=0), bad
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"item {i} is broken")
+        return self.data[i]
+
+
+class _Trainer(ToyTrainer):
+    def build_train_loader(self, cfg, **kwargs):
+        init = _NotePid(cfg.pids)
+        if cfg.get("fail_at") is not None:   # a plain torch DataLoader (workers not persistent)
+            return DataLoader(_Failing(cfg.fail_at), batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                              worker_init_fn=init)
+        return self.build_dataloader(blobs(64, 4, seed=0), cfg.batch_size, cfg.num_workers, phase="train",
+                                     worker_init_fn=init)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads worker processes from /proc")
+def test_run_ends_its_persistent_workers(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    t = _Trainer(toy_cfg(num_workers=2, pids=str(pids), n_test=16))
+    assert t.train_loader.persistent_workers      # build_dataloader's default with workers
+    history = t.run()
+    started = [int(p) for p in os.listdir(pids)]
+    assert len(started) == 2                      # persistent: started once for both epochs
+    assert [p for p in started if _alive(p)] == []
+    assert len(history.epochs) == 2
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads worker processes from /proc")
+def test_a_run_that_fails_in_a_worker_ends_its_workers(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    t = _Trainer(toy_cfg(num_workers=2, pids=str(pids), n_test=16, fail_at=37, shuffle=False))
+    with pytest.raises(ValueError, match="item 37 is broken") as raised:
+        t.run()
+    started = [int(p) for p in os.listdir(pids)]
+    assert len(started) == 2
+    # the traceback (held here) keeps the failed iterator; its workers are gone all the same
+    assert raised.traceback is not None
+    assert [p for p in started if _alive(p)] == []
+
+
+LAUNCHED = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ToyTrainer, blobs, toy_cfg
+    from basetrainer.engine.launch import launch
+
+    SEEN_BY_THE_RANK = []    # filled by the rank after the import: a forked worker sees it
+
+    def note(worker_id):
+        with open(os.path.join(os.environ["PIDS"], str(os.getpid())), "w") as f:
+            f.write(str(len(SEEN_BY_THE_RANK)))
+
+    class Trainer(ToyTrainer):
+        def build_train_loader(self, cfg, **kwargs):
+            return self.build_dataloader(blobs(64, 4, seed=0), cfg.batch_size, cfg.num_workers, phase="train",
+                                         worker_init_fn=note)
+
+    def main():
+        SEEN_BY_THE_RANK.append(os.getpid())
+        t = Trainer(toy_cfg(num_epochs=1, num_workers=2, n_test=16, distributed=True))
+        t.run()
+
+    if __name__ == "__main__":
+        os.environ["PIDS"] = sys.argv[1]
+        launch(main, num_gpus_per_machine=2, distributed=True)
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads worker processes from /proc")
+def test_ranks_of_launch_fork_their_workers_as_under_torchrun(tmp_path):
+    """A rank spawned by launch() inherited 'spawn' for its own children: every DataLoader
+    worker imported torch and the script again (4 s a loader on this machine), unlike the same
+    script under torchrun."""
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED.format(tests=os.path.join(ROOT, "tests")))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    out = subprocess.run([PY, str(script), str(pids)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = {}
+    for name in os.listdir(pids):
+        with open(pids / name) as f:
+            seen[int(name)] = f.read()
+    assert len(seen) == 4                          # 2 ranks x 2 workers
+    assert set(seen.values()) == {"1"}             # forked: the rank's memory as it was
+    assert [p for p in seen if _alive(p)] == []

@@ -93,6 +93,36 @@ def test_overwrite_moves_the_old_run_aside_and_starts_a_new_one(tmp_path):
     assert load(str(work / "model" / "last.pth"))["config"]["lr"] == 0.05
 
 
+def test_overwrite_after_the_script_opened_its_log_file_writes_the_new_run_into_the_new_folder(tmp_path):
+    """A script that opens work_dir/log/train.log before it builds the trainer: the open file
+    moved aside with the old run, and the new run's whole log was appended to the old run's."""
+    from basetrainer.utils import log
+
+    lib = logging.getLogger("basetrainer")
+    saved = (list(lib.handlers), lib.propagate, lib.level)
+    work = tmp_path / "work"
+    logfile = str(work / "log" / "train.log")
+    try:
+        log.set_logger(logfile=logfile).info("the old run's line")
+        run(work)
+        logger = log.set_logger(logfile=logfile)   # the new script, before its trainer
+        run(work, overwrite=True)
+        logger.info("the new run's line")
+        (moved,) = glob.glob(str(tmp_path / "work.old-*"))
+        with open(os.path.join(moved, "log", "train.log")) as f:
+            old = f.read()
+        with open(logfile) as f:
+            new = f.read()
+        assert "the old run's line" in old and "the new run's line" not in old
+        assert "the new run's line" in new and "the old run's line" not in new
+        assert "moved the earlier run" in new      # the trainer's own lines from the move on
+    finally:
+        for handler in lib.handlers:
+            if handler not in saved[0]:
+                handler.close()
+        lib.handlers, lib.propagate, lib.level = saved
+
+
 # ----------------------------------------------------------------------------- item 2: damaged last.pth
 def _truncate(path):
     size = os.path.getsize(path)

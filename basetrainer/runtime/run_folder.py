@@ -126,8 +126,29 @@ def move_aside(folder: str) -> str:
         dest = f"{path}.old-{stamp}-{n}"
     os.rename(path, dest)
     atomic.fsync_folder(os.path.dirname(path))
+    _reopen_log_files(path)
     logger.warning("overwrite: true: moved the earlier run in %s to %s", folder, dest)
     return dest
+
+
+def _reopen_log_files(folder: str) -> None:
+    """Log files open inside ``folder`` (a script may open ``work_dir/log/train.log`` before it
+    builds the trainer) followed the rename into the old run's folder: start each again at its
+    path, so the new run logs into its own folder and not onto the old run's log."""
+    prefix = folder.rstrip(os.sep) + os.sep
+    seen = set()
+    loggers = [logging.getLogger()] + [x for x in list(logging.Logger.manager.loggerDict.values())
+                                       if isinstance(x, logging.Logger)]
+    for handler in (h for x in loggers for h in x.handlers):
+        if id(handler) in seen or not isinstance(handler, logging.FileHandler):
+            continue
+        seen.add(id(handler))
+        if handler.stream is None or not handler.baseFilename.startswith(prefix):
+            continue
+        os.makedirs(os.path.dirname(handler.baseFilename), exist_ok=True)
+        old = handler.setStream(handler._open())
+        if old is not None:
+            old.close()
 
 
 def refusal(where: str, evidence: Iterable[str], what: str = "a new run") -> FileExistsError:

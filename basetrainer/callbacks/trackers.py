@@ -171,10 +171,6 @@ class Tracker(Callback):
                     figures = {k: v for k, v in row.items() if k != "epoch"}
                     self.log_epoch(epoch, figures, self.log_history.steps_before(epoch + 1))
 
-    def steps_per_epoch(self) -> int:
-        loader = getattr(self.trainer, "train_loader", None)
-        return len(loader) if loader is not None else 1
-
     def log_epoch(self, epoch: int, figures: Dict[str, float], global_step: int) -> None:
         """An epoch's row (LogHistory's ``on_epoch_end``), x = ``epoch``."""
         if self._active and self.is_main_process:

@@ -86,12 +86,13 @@ def start(loader: Any) -> Iterator[Any]:
     its watcher (:func:`shield_worker`) receives them. A signal arriving meanwhile is delivered
     to this process right after."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        return iter(loader)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
-    try:
         it = iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    else:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
+        try:
+            it = iter(loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     if hasattr(it, "_shutdown_workers"):   # for end_workers (weakly: a finished loop frees it)
         try:
             loader.__dict__["_basetrainer_iterator"] = weakref.ref(it)

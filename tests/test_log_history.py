@@ -106,10 +106,12 @@ def test_bad_log_freq():
         LogHistory(log_dir="x", log_freq=0)
 
 
-def test_step_scalars_of_earlier_epochs_survive_a_resume_with_another_batch_size(tmp_path):
+@pytest.mark.parametrize("count_in_checkpoint", [True, False])
+def test_step_scalars_of_earlier_epochs_survive_a_resume_with_another_batch_size(tmp_path, count_in_checkpoint):
     """The x of a step scalar counts the steps really taken: a resume with a larger batch (fewer
     steps an epoch) goes on after the last one. It used to restart at epoch * (new steps an
-    epoch) and purge the events from there: the step scalars of epoch 1 were deleted."""
+    epoch) and purge the events from there: the step scalars of epoch 1 were deleted. A
+    checkpoint without the count (2.0's) gives the trainer's global_step instead."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 
@@ -125,6 +127,13 @@ def test_step_scalars_of_earlier_epochs_survive_a_resume_with_another_batch_size
 
     first = run(8, 2, "")          # 10 steps an epoch: x 1..20
     assert [x for x, _ in first] == list(range(1, 21))
+    if not count_in_checkpoint:
+        import torch
+
+        path = tmp_path / "model" / "last.pth"
+        state = torch.load(path, weights_only=False)
+        assert state["callbacks"]["LogHistory:log"].pop("step_ends") == {0: 10, 1: 20}
+        torch.save(state, path)
     resumed = run(16, 3, "auto")   # epoch 2 with 5 steps: x 21..25
     assert resumed[:20] == first
     assert [x for x, _ in resumed] == list(range(1, 26))

@@ -63,7 +63,7 @@ class _Trainer(ToyTrainer):
             return DataLoader(_Failing(cfg.fail_at), batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                               worker_init_fn=init)
         return self.build_dataloader(blobs(64, 4, seed=0), cfg.batch_size, cfg.num_workers, phase="train",
-                                     worker_init_fn=init)
+                                     worker_init_fn=init, persistent_workers=cfg.get("persistent", True))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads worker processes from /proc")
@@ -139,3 +139,67 @@ def test_ranks_of_launch_fork_their_workers_as_under_torchrun(tmp_path):
     assert len(seen) == 4                          # 2 ranks x 2 workers
     assert set(seen.values()) == {"1"}             # forked: the rank's memory as it was
     assert [p for p in seen if _alive(p)] == []
+
+
+class _Wrapped:
+    """A user's loader around a persistent DataLoader: iter() gives the DataLoader's own
+    iterator, which the DataLoader reuses next epoch."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+class _WrappedTrainer(ToyTrainer):
+    def build_train_loader(self, cfg, **kwargs):
+        return _Wrapped(DataLoader(blobs(64, 4, seed=0), batch_size=16, num_workers=2, persistent_workers=True))
+
+
+def test_a_wrapped_persistent_loader_still_works_after_run(tmp_path):
+    t = _WrappedTrainer(toy_cfg(num_workers=2, num_epochs=1))
+    t.run()
+    t.num_epochs = 2
+    t.run()                                        # the wrapped DataLoader's iterator was left to it
+    assert t.global_step == 8
+    assert sum(len(y) for _, y in t.train_loader) == 64
+
+
+def test_the_train_loader_pickles_during_a_run(tmp_path):
+    import pickle
+
+    from basetrainer.callbacks.callbacks import Callback
+
+    sizes = []
+
+    class Ship(Callback):   # e.g. a callback that sends the loader to another process
+        def on_epoch_end(self, epoch, logs=None):
+            sizes.append(len(pickle.dumps(self.trainer.train_loader)))
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    t = _Trainer(toy_cfg(num_workers=2, pids=str(pids), persistent=False), callbacks=[Ship()])
+    t.run()
+    assert len(sizes) == 2 and min(sizes) > 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads worker processes from /proc")
+def test_workers_a_callback_starts_in_on_train_end_are_ended_too(tmp_path):
+    from basetrainer.callbacks.callbacks import Callback
+
+    class FinalPass(Callback):   # e.g. a last evaluation over the train data
+        def on_train_end(self, logs=None):
+            self.batches = sum(1 for _ in self.trainer.train_loader)
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    final = FinalPass()
+    t = _Trainer(toy_cfg(num_workers=2, pids=str(pids), num_epochs=1), callbacks=[final])
+    t.run()
+    assert final.batches == 4
+    started = [int(p) for p in os.listdir(pids)]
+    assert len(started) == 2 and [p for p in started if _alive(p)] == []

@@ -162,8 +162,9 @@ class LogHistory(Callback):
         """Train steps taken before ``epoch`` began: the x axis of step scalars and trackers.
 
         Counted as the run went, so a resume with another batch size goes on after the steps
-        of the epochs before it (a checkpoint of 2.0, which lacks the count, gives
-        ``epoch * steps an epoch``).
+        of the epochs before it. A checkpoint without the count (2.0's) gives the trainer's
+        ``global_step`` at an epoch's end without gradient accumulation, else
+        ``epoch * steps an epoch``.
         """
         if epoch - 1 in self.step_ends:
             return self.step_ends[epoch - 1]
@@ -182,6 +183,12 @@ class LogHistory(Callback):
         epochs_before = glob.glob(os.path.join(self.log_dir, "events.out.tfevents.*"))
         steps_dir = os.path.join(self.log_dir, "steps")
         steps_before = glob.glob(os.path.join(steps_dir, "events.out.tfevents.*"))
+        # TensorBoard reads a folder's event files in name order, and a name starts with its
+        # second: a file from the same second (an earlier run() of this process) could sort
+        # after the new one ("....11" < "....9") and its events would win over the purge
+        stamp = f"{int(time.time()):010d}"
+        if any(os.path.basename(p).split(".")[3] == stamp for p in epochs_before + steps_before):
+            time.sleep(max(0.0, int(stamp) + 1 - time.time()))
         self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=epoch if epochs_before else None)
         self.step_writer = SummaryWriter(log_dir=steps_dir, purge_step=step if steps_before else None)
 
@@ -194,6 +201,10 @@ class LogHistory(Callback):
         start = getattr(self.trainer, "start_epoch", 0)
         self.rows = [r for r in self.rows if r.get("epoch", 0) < start]   # a resume keeps the epochs before it
         self.step_ends = {e: x for e, x in self.step_ends.items() if e < start}
+        trainer = self.trainer
+        if start and not self.step_ends and not getattr(trainer, "batch_in_epoch", 0) and getattr(
+                trainer, "accumulate_steps", 1) == 1 and getattr(trainer, "global_step", 0):
+            self.step_ends[start - 1] = int(trainer.global_step)   # a checkpoint without the count (2.0)
         self._step_base = self.steps_before(start)
         if self.is_main_process and (start or getattr(self.trainer, "batch_in_epoch", 0)):
             self.logger.info("resumed at epoch %d, step %d: lines above about later steps came from the interrupted "

@@ -55,10 +55,9 @@ class Engine(RunState):
         self.phase = "train"            # where the current epoch is: train | test | end
         self.batch_in_epoch = 0         # train steps done in the current epoch
         self.device = torch.device("cpu")
-        self.progress, self.log_freq, self.seed = False, 50, 0
+        self.progress, self.log_freq, self.seed, self.channels_last = False, 50, 0, False
         self.amp, self.accumulate_steps = "none", 1      # amp: none | fp16 | bf16
         self.clip_grad_norm: Optional[float] = None
-        self.channels_last = False
         self.loss_in_replica = False    # model is DataParallel(ModelWithLoss): it returns the loss too
         self.stop_training, self.history = False, History()
         self.logs: Dict[str, Any] = {}  # the run's logs (a fresh dict per run)
@@ -70,8 +69,7 @@ class Engine(RunState):
         self._callbacks = CallbackList([], self)
         self._guard = NonFiniteGuard()
         self._preemption = preemption.Preemption()
-        self._steps_in_epoch, self._group_size = 0, 1
-        self._non_blocking = False
+        self._steps_in_epoch, self._group_size, self._non_blocking = 0, 1, False
         self._skip_batches = 0          # mid-epoch resume: batches of start_epoch already trained
         self._start_phase = "train"     # resume: "test" skips the train phase of start_epoch
         self._pending_rng: Optional[dict] = None
@@ -126,8 +124,10 @@ class Engine(RunState):
                 finished = True
             finally:
                 self.runs_done += 1
-                preemption.end_workers(self.train_loader, self.test_loader)
-                self._callbacks.call_all("on_train_end", logs, raise_first=finished)  # always, all
+                try:
+                    self._callbacks.call_all("on_train_end", logs, raise_first=finished)  # always, all
+                finally:   # also the workers a callback started there
+                    preemption.end_workers(self.train_loader, self.test_loader)
         return self.history
 
     def run_epoch(self, epoch: int, logs: dict) -> None:

@@ -94,31 +94,39 @@ def start(loader: Any) -> Iterator[Any]:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     if hasattr(it, "_shutdown_workers"):   # for end_workers (weakly: a finished loop frees it)
-        try:
-            loader.__dict__["_basetrainer_iterator"] = weakref.ref(it)
-        except (AttributeError, TypeError):
-            pass
+        _started[id(loader)] = weakref.ref(it)
     return it
 
 
+# id(loader) -> its last iterator with workers, for end_workers (not kept on the loader, which
+# may be pickled or be a user's wrapper)
+_started: Dict[int, Any] = {}
+
+
 def end_workers(*loaders: Any) -> None:
-    """Stop the worker processes of ``loaders`` now: their persistent iterators, and the
-    iterator of a loop that raised (its traceback keeps it).
+    """Stop the worker processes a run started through ``loaders`` now: a torch DataLoader's
+    persistent iterator, and the iterator of a loop that raised (its traceback keeps it).
 
     Left to torch they stop when the iterator is freed, and a trainer's are freed by the garbage
     collector (the trainer lives in a reference cycle with its callbacks), which closes the
     iterator's queues first: each worker never gets its stop message and is waited for 5 s.
-    Never raises (a worker that does not stop is torch's to kill).
+    The persistent iterator of a DataLoader inside a wrapper is left alone (that DataLoader
+    reuses it). Never raises (a worker that does not stop is torch's to kill).
     """
+    from torch.utils.data import DataLoader
+
     for loader in loaders:
-        ref = getattr(loader, "__dict__", {}).pop("_basetrainer_iterator", None)
-        for it in (getattr(loader, "_iterator", None), ref() if ref is not None else None):
-            if it is not None and hasattr(it, "_shutdown_workers"):
-                try:
-                    it._shutdown_workers()
-                except Exception as e:  # pragma: no cover - torch's shutdown does not raise
-                    logger.warning("stopping the DataLoader workers failed: %s", e)
-        if getattr(loader, "_iterator", None) is not None:
+        ref = _started.pop(id(loader), None)
+        last = ref() if ref is not None else None
+        own = loader._iterator if isinstance(loader, DataLoader) else None
+        if last is not None and getattr(last, "_persistent_workers", False) and last is not own:
+            last = None   # a wrapped DataLoader's: it starts its next epoch with it
+        for it in {id(x): x for x in (own, last) if hasattr(x, "_shutdown_workers")}.values():
+            try:
+                it._shutdown_workers()
+            except Exception as e:  # torch's shutdown is not meant to raise
+                logger.warning("stopping the DataLoader workers failed: %s", e)
+        if own is not None:
             loader._iterator = None   # the next epoch (a later run()) starts new workers
 
 

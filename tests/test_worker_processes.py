@@ -167,6 +167,7 @@ def test_a_wrapped_persistent_loader_still_works_after_run(tmp_path):
     t.run()                                        # the wrapped DataLoader's iterator was left to it
     assert t.global_step == 8
     assert sum(len(y) for _, y in t.train_loader) == 64
+    t.train_loader.loader._iterator._shutdown_workers()   # the wrapper's to end (not the garbage collector's)
 
 
 def test_the_train_loader_pickles_during_a_run(tmp_path):

@@ -168,8 +168,11 @@ class LogHistory(Callback):
         """
         if epoch - 1 in self.step_ends:
             return self.step_ends[epoch - 1]
+        return epoch * self._epoch_steps()
+
+    def _epoch_steps(self) -> int:
         loader = getattr(self.trainer, "train_loader", None)
-        return epoch * (len(loader) if loader is not None else 1)
+        return len(loader) if loader is not None else 1
 
     def _open_writer(self, epoch: int, step: int) -> None:
         """TensorBoard writers whose events from ``epoch`` / ``step`` on replace older ones."""
@@ -253,8 +256,7 @@ class LogHistory(Callback):
             t.log_step(step, scalars)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        loader = getattr(self.trainer, "train_loader", None)
-        self.step_ends[epoch] = self._step_base + (len(loader) if loader is not None else 1)
+        self.step_ends[epoch] = self._step_base + self._epoch_steps()
         if not self.is_main_process:
             return
         logs = logs or {}

@@ -14,8 +14,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 
-def _stat(pid: int) -> Optional[Tuple[str, int, int]]:
-    """``(state, parent pid, start time)`` of ``pid`` from /proc, or None if it is gone."""
+def stat(pid: int) -> Optional[Tuple[str, int, int]]:
+    """``(state, parent pid, start time)`` of ``pid`` from /proc, or None if it is gone (or
+    there is no /proc to read)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -26,7 +27,7 @@ def _stat(pid: int) -> Optional[Tuple[str, int, int]]:
 
 def running(pid: int, start: Optional[int] = None) -> bool:
     """``pid`` exists, is not a zombie, and (when ``start`` is given) is the same process."""
-    info = _stat(pid)
+    info = stat(pid)
     if info is None:
         return False
     return info[0] != "Z" and (start is None or info[2] == start)
@@ -46,7 +47,7 @@ class ProcessTree:
         starts: Dict[int, int] = {}
         for name in os.listdir("/proc"):
             if name.isdigit():
-                info = _stat(int(name))
+                info = stat(int(name))
                 if info is not None:
                     children.setdefault(info[1], []).append(int(name))
                     starts[int(name)] = info[2]

@@ -10,9 +10,9 @@ import os
 import socket
 import time
 import uuid
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional
 
-from basetrainer.runtime import atomic
+from basetrainer.runtime import atomic, processes
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +34,16 @@ def read_marker(folder: Optional[str]) -> Optional[dict]:
         return None
 
 
-def _proc_stat(pid: int) -> Tuple[Optional[str], Optional[int]]:
-    """Process ``pid``'s state letter and when it started (clock ticks after boot; this tells it
-    from a later process reusing the number), from Linux's /proc; (None, None) where unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None, None
+def _started_at(pid: int) -> Optional[int]:
+    """When ``pid`` started (tells it from a later process reusing the number), or None."""
+    info = processes.stat(pid)
+    return info[2] if info is not None else None
 
 
 def write_marker(folder: str, run_id: str) -> None:
     pid = os.getpid()
     text = json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": pid,
-                       "host": socket.gethostname(), "pid_started": _proc_stat(pid)[1]})
+                       "host": socket.gethostname(), "pid_started": _started_at(pid)})
     atomic.write_atomically(text, os.path.join(folder, MARKER))
 
 
@@ -73,10 +68,10 @@ def running_elsewhere(marker: Optional[dict]) -> bool:
     pid = marker["pid"]
     if pid == os.getpid() or not atomic.pid_alive(pid):
         return False
-    state, started = _proc_stat(pid)
-    if state in ("Z", "X"):   # exited, not yet reaped
+    info = processes.stat(pid)   # None where /proc can't be read: the pid is then all we know
+    if info is not None and info[0] in ("Z", "X"):   # exited, not yet reaped
         return False
-    return marker.get("pid_started") is None or started in (None, marker["pid_started"])
+    return marker.get("pid_started") is None or info is None or info[2] == marker["pid_started"]
 
 
 def check_not_running(folder: Optional[str]) -> None:

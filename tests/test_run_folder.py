@@ -555,7 +555,10 @@ def test_a_run_without_checkpoints_leaves_no_file_and_runs_again(tmp_path, monke
 
 
 # ----------------------------------------------------------------------------- a run still training
-def test_resume_auto_is_refused_while_the_run_is_still_training_elsewhere(tmp_path):
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", [dict(resume="auto"), dict(overwrite=True), dict(overwrite=True, resume="auto")],
+                         ids=["resume_auto", "overwrite", "overwrite_resume_auto"])
+def test_a_run_still_training_elsewhere_is_never_joined_nor_moved(tmp_path, how):
     import subprocess
     import sys
     import textwrap
@@ -590,11 +593,12 @@ def test_resume_auto_is_refused_while_the_run_is_still_training_elsewhere(tmp_pa
         while not (work / "model" / "last.pth").exists():    # A saved epoch 0 and waits
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
             time.sleep(0.05)
-        before = digests(work / "model")
-        with pytest.raises(RuntimeError) as err:             # once: accepted, and the two runs mixed their files
-            run(work, epochs=2, resume="auto", lr=0.05)
+        before = digests(work)
+        with pytest.raises(RuntimeError) as err:   # once: accepted, and the two runs mixed their files
+            run(work, epochs=2, lr=0.05, **how)     # (overwrite moved A's live folder aside first)
         assert f"process {proc.pid}" in str(err.value) and "still training" in str(err.value)
-        assert digests(work / "model") == before
+        assert digests(work) == before
+        assert sorted(os.listdir(tmp_path)) == ["a.py", "work"]   # nothing moved aside
         go.touch()
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out[-3000:]

@@ -89,6 +89,14 @@ def check_not_running(folder: Optional[str]) -> None:
             f"resume: auto; or give this run another work_dir")
 
 
+def check_none_running(evidence: Iterable[str]) -> None:
+    """:func:`check_not_running` for the folder of every run marker in ``evidence`` (files
+    :func:`find_runs` lists), before any of them is joined or moved aside."""
+    for path in evidence:
+        if os.path.basename(path) == MARKER:
+            check_not_running(os.path.dirname(path))
+
+
 def find_runs(root: Optional[str], depth: int = 3) -> List[str]:
     """Files that show a run used ``root``: ``last.pth``, ``last.prev.pth`` and run markers, at
     most ``depth`` folders below it."""
@@ -108,7 +116,9 @@ def move_aside(folder: str) -> str:
 
     Raises:
         ValueError: ``folder`` holds the current working folder, or is the home or root folder.
+        RuntimeError: a run that marked ``folder`` (or a folder below it) is still training.
     """
+    check_none_running(find_runs(folder))   # a live run keeps writing to its path: never move it
     path = os.path.abspath(folder)
     here = os.path.abspath(os.getcwd())
     if here == path or here.startswith(path.rstrip(os.sep) + os.sep) or path in (os.path.expanduser("~"), os.sep):

@@ -22,7 +22,7 @@ from conftest import ROOT, ToyTrainer, run_distributed, toy_cfg
 
 tm = pytest.importorskip("torchmetrics")
 from torchmetrics import MetricCollection  # noqa: E402
-from torchmetrics.aggregation import CatMetric, MaxMetric, MeanMetric, MinMetric  # noqa: E402
+from torchmetrics.aggregation import CatMetric, MaxMetric, MeanMetric, MinMetric, SumMetric  # noqa: E402
 from torchmetrics.classification import (MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score,  # noqa: E402
                                          MulticlassJaccardIndex)
 from torchmetrics.regression import ExplainedVariance, MeanAbsoluteError  # noqa: E402
@@ -57,10 +57,29 @@ def recorders():
                                              "f1": MulticlassF1Score(4, average="macro"),
                                              "auroc": MulticlassAUROC(4)}), "cls"),   # "cat" states
             FunctionRecorder(lambda out, y: (out.argmax(1) == y).float(), "hit"),       # per sample
-            FunctionRecorder(lambda out, y: nn.functional.cross_entropy(out, y), "ce")]  # batch mean
+            FunctionRecorder(lambda out, y: nn.functional.cross_entropy(out, y), "ce"),  # batch mean
+            *one_input_recorders()]
 
 
-FIGURES = ["MAE", "IoU", "acc", "f1", "auroc", "hit", "ce"]
+def one_input_recorders():
+    """torchmetrics' one-input metrics, each reading one thing of a step (see ONE_INPUT)."""
+    return [MetricRecorder(MeanMetric(), "mean_logit0", transform=lambda out, y: out[:, 0]),
+            MetricRecorder(MeanMetric(), "wmean_logit1", transform=lambda out, y: (out[:, 1], y.float() + 1)),
+            MetricRecorder(MaxMetric(), "max_logit"),                      # every entry of the outputs
+            MetricRecorder(MinMetric(), "min_logit"),
+            MetricRecorder(SumMetric(), "sum_label", reads="targets"),
+            MetricRecorder(CatMetric(), "cat_hit", transform=lambda out, y: (out.argmax(1) == y).float())]
+
+
+# what torchmetrics gives for each of them on a phase's (outputs, targets)
+ONE_INPUT = {"mean_logit0": lambda out, y: MeanMetric()(out[:, 0]),
+             "wmean_logit1": lambda out, y: MeanMetric()(out[:, 1], y.float() + 1),
+             "max_logit": lambda out, y: MaxMetric()(out),
+             "min_logit": lambda out, y: MinMetric()(out),
+             "sum_label": lambda out, y: SumMetric()(y),
+             "cat_hit": lambda out, y: CatMetric()((out.argmax(1) == y).float()).mean()}
+
+FIGURES = ["MAE", "IoU", "acc", "f1", "auroc", "hit", "ce", *ONE_INPUT]
 
 
 def fake_trainer(log=False, test=True):
@@ -250,6 +269,27 @@ class StopAt(Callback):
             raise RuntimeError("stopped on purpose")
 
 
+class Capture(Callback):
+    """Every step's (outputs, targets) of each phase of each epoch, on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def _keep(self, phase, epoch, inputs, outputs):
+        self.seen.setdefault((epoch, phase), []).append((outputs.detach().cpu().clone(), inputs[1].cpu().clone()))
+
+    def on_train_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self._keep("train", epoch, inputs, outputs)
+
+    def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self._keep("test", epoch, inputs, outputs)
+
+    def phases(self):
+        return {key: (torch.cat([o for o, _ in steps]), torch.cat([y for _, y in steps]))
+                for key, steps in self.seen.items()}
+
+
 def _reduce_kinds(rank):
     """Every kind of state, with rank 1 seeing no batch of the "lonely" metric."""
     metrics = {"max": MaxMetric(sync_on_compute=False), "min": MinMetric(sync_on_compute=False),
@@ -272,8 +312,8 @@ def _reduce_kinds(rank):
 
 
 def _everything(rank, work):
-    running = Running()
-    full = _train(os.path.join(work, "full"), [running])
+    running, capture = Running(), Capture()
+    full = _train(os.path.join(work, "full"), [running, capture])
     try:
         _train(os.path.join(work, "cut"), [StopAt(1, 2)])
     except RuntimeError as e:
@@ -282,7 +322,7 @@ def _everything(rank, work):
     state = torch.load(os.path.join(work, "cut", "model", "last.pth"), weights_only=True)
     resumed = _train(os.path.join(work, "cut"), resume="auto")
     return {"full": full, "resumed": resumed, "saved": (state["epoch"], state["phase"], state["batch"]),
-            "kinds": _reduce_kinds(rank), "running": running.values}
+            "kinds": _reduce_kinds(rank), "running": running.values, "seen": capture.phases()}
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +349,7 @@ def _assert_same(one, two):
                     assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
 
 
+@pytest.mark.distributed
 def test_ddp_figures_equal_one_process_on_101_samples(single, ddp):
     for rank in ddp:   # every rank holds the reduced figures
         _assert_same(single["full"], rank["full"])
@@ -319,6 +360,29 @@ def test_ddp_figures_equal_one_process_on_101_samples(single, ddp):
     assert 0.2 < last["test/acc"] < 0.95 and 0.2 < last["train/hit"] < 0.95 and last["test/MAE"] > 0   # real figures
 
 
+@pytest.mark.distributed
+def test_one_input_metrics_give_torchmetrics_figures_in_a_run_and_over_uneven_ranks(single, ddp):
+    # one process: what torchmetrics gives on every step's outputs and targets of the phase
+    for epoch, row in enumerate(single["full"]):
+        for phase in ("train", "test"):
+            out, y = single["seen"][(epoch, phase)]
+            assert len(y) == 101
+            for name, reference in ONE_INPUT.items():
+                assert row[f"{phase}/{name}"] == pytest.approx(float(reference(out, y)), rel=1e-6), (epoch, phase, name)
+    # 2 ranks (51 + 50 samples): every rank's figure is the whole data's (ONE_INPUT is in FIGURES,
+    # so test_ddp_figures_equal_one_process_on_101_samples compares them too); by hand here
+    for epoch in range(2):
+        for phase in ("train", "test"):
+            parts = [rank["seen"][(epoch, phase)] for rank in ddp]
+            assert sorted(len(y) for _, y in parts) == [50, 51]
+            out, y = torch.cat([o for o, _ in parts]), torch.cat([t for _, t in parts])
+            for rank in ddp:
+                for name, reference in ONE_INPUT.items():
+                    assert rank["full"][epoch][f"{phase}/{name}"] == pytest.approx(float(reference(out, y)), rel=1e-6)
+    assert single["full"][-1]["test/sum_label"] == sum(range(4)) * 25 + 0   # 101 labels i % 4: 25 of each + a 0
+
+
+@pytest.mark.distributed
 def test_states_reduce_by_their_kind_also_with_a_rank_that_saw_nothing(single, ddp):
     one = single["kinds"]
     assert (float(one["max"]), float(one["min"])) == (7.0, -4.0)
@@ -332,8 +396,76 @@ def test_states_reduce_by_their_kind_also_with_a_rank_that_saw_nothing(single, d
         assert float(out["local_max"]) == (3.0 if r == 0 else 7.0)
 
 
+@pytest.mark.distributed
 def test_a_resume_inside_an_epoch_gives_the_uninterrupted_figures(single, ddp):
     for run in [single, *ddp]:
         assert run["saved"] == (1, "train", 3)       # stopped after 3 of the 6 steps of epoch 1
         assert [r["epoch"] for r in run["resumed"]] == [1]
         _assert_same(run["full"][1:], run["resumed"])   # the resumed epoch's train figures count every step once
+
+
+# ----------------------------------------------------------------------------- one-input metrics
+def _one_input_batches():
+    g = torch.Generator().manual_seed(3)
+    return [((torch.zeros(n, 2), torch.randint(0, 5, (n,), generator=g)), torch.randn(n, generator=g))
+            for n in (4, 1, 6)]
+
+
+def test_one_input_metrics_give_the_figure_torchmetrics_gives_on_the_same_values():
+    batches = _one_input_batches()
+    outputs = torch.cat([o for _, o in batches])
+    targets = torch.cat([i[1] for i, _ in batches])
+    cases = [  # (recorder, what torchmetrics gives on the whole epoch's values)
+        (MetricRecorder(MeanMetric(), "m"), MeanMetric()(outputs)),               # the outputs by default
+        (MetricRecorder(MaxMetric(), "m"), MaxMetric()(outputs)),
+        (MetricRecorder(MinMetric(), "m"), MinMetric()(outputs)),
+        (MetricRecorder(SumMetric(), "m"), SumMetric()(outputs)),
+        (MetricRecorder(CatMetric(), "m"), CatMetric()(outputs).mean()),          # several values: their mean
+        (MetricRecorder(MaxMetric(), "m", reads="targets"), MaxMetric()(targets.float())),
+        (MetricRecorder(SumMetric(), "m", reads="targets"), SumMetric()(targets.float())),
+        (MetricRecorder(MeanMetric(), "m", transform=lambda o, t: (o - t).abs()),
+         MeanMetric()((outputs - targets).abs())),
+        (MetricRecorder(MeanMetric(), "m", transform=lambda o, t: (o, t.float() + 1)),   # value and weight
+         MeanMetric()(outputs, targets.float() + 1)),
+    ]
+    for rec, expected in cases:
+        for phase in ("train", "test"):
+            logs = feed(rec, phase, batches)
+            assert logs[f"{phase}/m"] == pytest.approx(float(expected), rel=1e-6), (type(rec.metrics["train"]), phase)
+    assert float(MeanMetric()(outputs)) != pytest.approx(float(MeanMetric()(outputs, targets.float())))  # not weights
+    # a collection of one-input metrics reads one input too
+    rec = MetricRecorder(MetricCollection({"hi": MaxMetric(), "lo": MinMetric()}), "range", reads="targets")
+    logs = feed(rec, "test", batches)
+    assert logs == {"test/hi": float(targets.max()), "test/lo": float(targets.min())}
+
+
+def test_a_metric_the_recorder_cannot_drive_is_refused_when_built_naming_the_fix():
+    from torchmetrics.retrieval import RetrievalMRR
+
+    with pytest.raises(TypeError, match=r"RetrievalMRR.*update\(preds, target, indexes\).*transform="):
+        MetricRecorder(RetrievalMRR(), "mrr")
+    rec = MetricRecorder(RetrievalMRR(), "mrr", transform=lambda o, t: (o, t, torch.arange(len(t)) // 2))
+    batch = ((torch.zeros(4, 1), torch.tensor([1, 0, 0, 1])), torch.tensor([0.9, 0.1, 0.8, 0.3]))
+    assert feed(rec, "test", [batch])["test/mrr"] == pytest.approx(0.75)   # groups {0,1}: 1, {2,3}: 1/2
+    with pytest.raises(ValueError, match=r"reads='preds'.*'outputs' or 'targets'"):
+        MetricRecorder(MaxMetric(), "m", reads="preds")
+    with pytest.raises(ValueError, match=r"reads='targets'.*MeanAbsoluteError.*update\(preds, target\).*transform"):
+        MetricRecorder(MeanAbsoluteError(), "MAE", reads="targets")
+    with pytest.raises(ValueError, match="reads=.*transform.*not both"):
+        MetricRecorder(MaxMetric(), "m", reads="targets", transform=lambda o, t: o)
+    with pytest.raises(ValueError, match=r"MetricCollection.*'hi'.*one input.*'mae'.*two.*own MetricRecorder"):
+        MetricRecorder(MetricCollection({"hi": MaxMetric(), "mae": MeanAbsoluteError()}), "mix")
+    # wrappers whose figure is not in states of their own published nothing
+    from torchmetrics.aggregation import RunningMean
+    from torchmetrics.wrappers import BootStrapper, MinMaxMetric
+
+    with pytest.raises(ValueError, match=r"RunningMean is a window of the last 5 updates.*record the metric it wraps"
+                                         r" \(MeanMetric\)"):
+        MetricRecorder(RunningMean(window=5), "run")
+    for wrapper in (MinMaxMetric(MeanAbsoluteError()), BootStrapper(MeanAbsoluteError(), num_bootstraps=2)):
+        with pytest.raises(ValueError, match=r"keeps its states in the metrics it wraps \(MeanAbsoluteError\)"):
+            MetricRecorder(wrapper, "w", transform=lambda o, t: (o, t))
+    # a transform that returns what the update cannot take: named at the first step, not deep in torchmetrics
+    rec = MetricRecorder(MaxMetric(), "m", transform=lambda o, t: (o, t, t))
+    with pytest.raises(TypeError, match=r"MetricRecorder 'm'.*transform returned 3 values.*MaxMetric.update\(value\)"):
+        feed(rec, "test", _one_input_batches())

@@ -8,13 +8,13 @@ phase end (exact for data sets that do not divide by the ranks), and the train p
 state saved in mid-epoch checkpoints. torchmetrics is imported only when a MetricRecorder is
 built.
 """
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
 from basetrainer.callbacks.callbacks import Callback, batch_size_of
 from basetrainer.callbacks.losses_recorder import LossesRecorder
-from basetrainer.metric.recorder_inputs import PHASES, check_phases, pick_output, pick_targets
+from basetrainer.metric.recorder_inputs import PHASES, check_phases, pick_output, pick_targets, update_driver
 from basetrainer.runtime import comm
 
 INSTALL = 'pip install "basetrainer[metrics]"'
@@ -73,20 +73,35 @@ class MetricRecorder(Callback):
             or its ``targets``/``target``/``labels``/``label``).
         output_key: the key of dict outputs (default ``"out"`` when present, else the first);
             tuple or list outputs give their first element.
-        transform: ``transform(outputs, targets) -> (preds, targets)`` applied before the
-            update (e.g. ``lambda o, t: (o.argmax(1), t)``).
+        transform: ``transform(outputs, targets)`` returns what the metric's update takes: a
+            pair for a ``(preds, target)`` metric (e.g. ``lambda o, t: (o.argmax(1), t)``), one
+            value for a one-input metric (``lambda o, t: (o - t).abs()``), a tuple of its
+            arguments otherwise (``(value, weight)`` for ``MeanMetric``, ``(preds, target,
+            indexes)`` for retrieval metrics).
         per_class: also write each entry of a value with several entries.
+        reads: what a one-input metric (``MeanMetric``, ``MaxMetric``, ``MinMetric``,
+            ``SumMetric``, ``CatMetric``, ...) is updated with: ``"outputs"`` (default) or
+            ``"targets"``. Not for ``(preds, target)`` metrics (use ``transform``).
+
+    What the update gets is read from its signature when the recorder is built: one required
+    input -> the outputs (or ``reads``); two -> ``(outputs, targets)``; any other (e.g.
+    ``update(preds, target, indexes)``) needs ``transform`` and is refused without it, with
+    the fix named. A transform that returns a count the update cannot take is named at the
+    first step. A collection's members must take the same inputs.
 
     Example::
 
         from torchmetrics.regression import MeanAbsoluteError
         callbacks = [MetricRecorder(MeanAbsoluteError(), indicator="MAE"),
                      ModelCheckpoint(model_dir=..., indicator="MAE")]   # mode "min", from the metric
+        MetricRecorder(MeanMetric(), "mean_score")                      # the mean of the outputs
+        MetricRecorder(MaxMetric(), "max_label", reads="targets")
     """
 
     def __init__(self, metric: Any, indicator: Optional[str] = None, phases: Sequence[str] = PHASES,
                  target_key: Optional[str] = None, output_key: Optional[str] = None,
-                 transform: Optional[Callable[[Any, Any], Tuple[Any, Any]]] = None, per_class: bool = False) -> None:
+                 transform: Optional[Callable[[Any, Any], Any]] = None, per_class: bool = False,
+                 reads: Optional[str] = None) -> None:
         super().__init__()
         try:
             import torchmetrics
@@ -104,11 +119,13 @@ class MetricRecorder(Callback):
             raise ValueError(f"indicator={indicator!r} must be a non-empty name (the figure's logs key; for a "
                              f"collection, the recorder's name): e.g. indicator={type(metric).__name__!r}")
         if transform is not None and not callable(transform):
-            raise TypeError(f"transform={transform!r} must be callable: transform(outputs, targets) -> (preds, targets)")
+            raise TypeError(f"transform={transform!r} must be callable: transform(outputs, targets) returns what "
+                            f"the metric's update takes")
         metric_states.check_reducible(metric)
+        self._args = update_driver(metric_states.members(metric), f"MetricRecorder {indicator!r}", reads, transform)
         self.indicator = indicator
         self.phases = check_phases(phases)
-        self.target_key, self.output_key, self.transform = target_key, output_key, transform
+        self.target_key, self.output_key, self.transform, self.reads = target_key, output_key, transform, reads
         self.per_class = per_class
         for _, m in metric_states.members(metric):   # no collective inside compute()/forward()
             m.sync_on_compute = m.dist_sync_on_step = m._to_sync = False
@@ -174,9 +191,7 @@ class MetricRecorder(Callback):
         preds, targets = pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key)
         if isinstance(preds, torch.Tensor):
             preds = preds.detach()
-        if self.transform is not None:
-            preds, targets = self.transform(preds, targets)
-        self.metrics[phase].update(preds, targets)
+        self.metrics[phase].update(*self._args(preds, targets))
 
     # ---------------------------------------------------------------- a resume inside an epoch
     def prepare_state(self) -> None:

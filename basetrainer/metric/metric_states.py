@@ -64,8 +64,28 @@ def reduction_kinds(metric: Any) -> Dict[str, str]:
 
 
 def check_reducible(metric: Any) -> None:
-    """Raise early (when a recorder is built) if a state cannot be reduced over ranks."""
+    """Raise early (when a recorder is built) if a state cannot be reduced over ranks, or the
+    metric's figure is not held in states of its own.
+
+    Raises:
+        ValueError: a state with a reduction MetricRecorder cannot do; a wrapper that keeps its
+            states in the metrics it wraps (``MinMaxMetric``, ``BootStrapper``, ...: a recorder
+            would publish nothing); a running window (``Running``, ``RunningMean``: the last
+            updates, not the epoch).
+    """
+    from torchmetrics import Metric
+    from torchmetrics.wrappers import Running
+
     for _, m in members(metric):
+        inner = [type(c).__name__ for c in m.modules() if isinstance(c, Metric) and c is not m]
+        if isinstance(m, Running):
+            raise ValueError(f"{type(m).__name__} is a window of the last {m.window} updates, not an epoch's figure; "
+                             f"record the metric it wraps ({', '.join(inner[:1])}) for the whole epoch")
+        if not m._defaults and inner:
+            wrapped = ", ".join(sorted(set(inner)))
+            raise ValueError(f"{type(m).__name__} keeps its states in the metrics it wraps ({wrapped}), "
+                             f"which MetricRecorder does not reduce over ranks: record the wrapped metric itself, or "
+                             f"compute the figure with a FunctionRecorder")
         reduction_kinds(m)
 
 

@@ -20,7 +20,9 @@ class ModelCheckpoint(Callback):
     every file atomically, in the background writer thread unless ``async_save=False``):
 
     - ``best_model_<epoch>_<value>.pth``: the weights (an unwrapped ``state_dict``) of the best
-      epoch by ``indicator``; a NaN or infinite figure is never best;
+      epoch by ``indicator``; a NaN or infinite figure is never best. A file holds the weights
+      that gave the figure in its name: with ``ModelEMA(evaluate=True)`` a test figure is the
+      average's, and so are the files' weights;
     - ``model_<epoch>_<value>.pth``: the weights of each epoch from ``start_save`` on; with
       ``start_save`` None or -1 only the last ``keep`` epochs are kept, with 0 none are written;
     - ``last.pth`` (written by the trainer once per save, however many ModelCheckpoints there
@@ -180,13 +182,20 @@ class ModelCheckpoint(Callback):
             self.best, self.best_epoch, self.best_file = value, epoch, best_file
         self._superseded = superseded
         self.trainer.request_checkpoint(background=self.async_save)   # every rank: it gathers RNG states
+        own = self._model is not None and unwrap_model(self._model) is not unwrap_model(self.trainer.model)
+        evaluated = None   # every rank (a collective under fsdp): the weights the test figure is of
+        if value is not None and not own and (epoch_file or best_file):
+            evaluated = self._evaluated_weights(resolve_indicator(self.indicator, self.trainer))
         if not self.is_main_process or not (epoch_file or best_file or superseded):
             return
-        own = self._model is not None and unwrap_model(self._model) is not unwrap_model(self.trainer.model)
         weights = self._weights_copy() if own and (epoch_file or best_file) else None
+        if evaluated is not None:
+            weights = atomic.snapshot(evaluated) if self.async_save else evaluated
+        whose = " (the ModelEMA average's weights)" if evaluated is not None else ""
 
         def write(state: dict) -> None:  # before last.pth (in the writer thread when async)
-            self._write_files(weights if own else state["model"], epoch, value, epoch_file, best_file)
+            self._write_files(state["model"] if weights is None else weights, epoch, value, epoch_file, best_file,
+                              whose)
 
         self.trainer.checkpoint_folder().stage(write, cleanup=lambda: self._remove(superseded),
                                                background=self.async_save)
@@ -216,12 +225,26 @@ class ModelCheckpoint(Callback):
                 kept.append(os.path.basename(atomic.set_aside(os.path.join(self.model_dir, name), ".kept")))
         return kept
 
+    def _evaluated_weights(self, key: str) -> Optional[Dict[str, torch.Tensor]]:
+        """The weights a test figure (``key``) was computed with when a callback swapped others
+        in for the test phase (``ModelEMA(evaluate=True)``: its ``test_weights()``), so that a
+        file holds what gave the figure in its name; None for the live weights. Every rank
+        calls it (the average's shards are gathered under fsdp)."""
+        if not key.startswith("test/"):
+            return None   # a train figure is the live model's
+        for cb in getattr(self.trainer, "callbacks", None) or []:
+            test_weights = getattr(cb, "test_weights", None)
+            weights = test_weights() if callable(test_weights) else None
+            if weights is not None:
+                return weights
+        return None
+
     def _weights_copy(self) -> Dict[str, torch.Tensor]:
         weights = unwrap_model(self._model).state_dict()
         return atomic.snapshot(weights) if self.async_save else weights
 
     def _write_files(self, weights: Dict[str, torch.Tensor], epoch: int, value: Optional[float],
-                     epoch_file: Optional[str], best_file: Optional[str]) -> None:
+                     epoch_file: Optional[str], best_file: Optional[str], whose: str = "") -> None:
         if epoch_file is not None:
             atomic.write_atomically(weights, epoch_file)
         if best_file is not None:  # a hard link to this epoch's file when there is one
@@ -229,7 +252,8 @@ class ModelCheckpoint(Callback):
                 atomic.link_atomically(epoch_file, best_file, content=weights)
             else:
                 atomic.write_atomically(weights, best_file)
-            self.logger.info("saved best model (%s=%.4f, epoch %d): %s", self.indicator, value, epoch, best_file)
+            self.logger.info("saved best model (%s=%.4f, epoch %d)%s: %s", self.indicator, value, epoch, whose,
+                             best_file)
 
     def _remove(self, names: List[str]) -> None:
         """Delete files this callback wrote and no longer needs (never the current ones)."""

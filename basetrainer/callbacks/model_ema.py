@@ -4,6 +4,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from basetrainer.callbacks.callbacks import Callback
+from basetrainer.runtime import comm
 from basetrainer.runtime.modules import unwrap_model
 
 
@@ -11,13 +12,23 @@ class ModelEMA(Callback):
     """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every optimizer step (all float
     tensors of the state_dict, BatchNorm statistics included). With ``evaluate=True`` the test
     phase runs on the averaged weights (they are swapped in at ``on_test_begin`` and back at
-    ``on_test_end``). The average is part of the checkpoint (``state_dict``) and is resumed.
+    ``on_test_end``, wherever it stands in the callback list), so every test figure is the
+    average's. The average is part of the checkpoint (``state_dict``) and is resumed.
 
-    Put it before ModelCheckpoint if the checkpoint should see the EMA figures.
+    A ModelCheckpoint whose indicator is a test figure then writes the average in its weights
+    files (``best_model_<epoch>_<value>.pth``, ``model_<epoch>_<value>.pth``): a file holds the
+    weights that gave the figure in its name. ``last.pth`` holds the live weights (training goes
+    on from them) with the average beside them. A train figure (``train/loss``) is the live
+    model's, and its files hold the live weights. At most one ModelEMA may evaluate.
 
     Args:
         decay: the averaging factor per optimizer step, in [0, 1).
         evaluate: evaluate with the averaged weights.
+
+    Example::
+
+        callbacks = [LossesRecorder(), AccuracyRecorder(), ModelEMA(decay=0.999),
+                     ModelCheckpoint(model_dir=..., indicator="Accuracy")]   # best file: the average
     """
 
     def __init__(self, decay: float = 0.999, evaluate: bool = True) -> None:
@@ -36,6 +47,13 @@ class ModelEMA(Callback):
         return unwrap_model(self.trainer.model)
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        evaluating = [c for c in getattr(self.trainer, "callbacks", None) or []
+                      if isinstance(c, ModelEMA) and c.evaluate]
+        if self.evaluate and len(evaluating) > 1:
+            raise ValueError(f"{len(evaluating)} ModelEMA callbacks evaluate (decay "
+                             f"{', '.join(str(c.decay) for c in evaluating)}): the test phase runs on one set of "
+                             f"weights (the second swapped in over the first, and put the first's average back into "
+                             f"the model after the test); give all but one evaluate=False")
         state = self._model().state_dict()
         if self.ema is None:
             self.ema = {k: v.detach().clone() for k, v in state.items()}
@@ -65,6 +83,23 @@ class ModelEMA(Callback):
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self.on_test_end(logs)  # never leave the averaged weights in the model by accident
+
+    def test_weights(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The weights the test phase runs on: the average, as a state dict of whole tensors
+        (under fsdp the shards are gathered: a collective, every rank calls it; the main
+        process gets the dict, the others an empty one). None with ``evaluate=False`` (the test
+        phase runs on the live weights) or before training. Live tensors outside fsdp: copy them
+        before training goes on."""
+        if not self.evaluate or self.ema is None:
+            return None
+        main = comm.is_main_process()
+        out = {}
+        for key, value in self.ema.items():
+            if hasattr(value, "full_tensor"):   # a DTensor shard (fsdp)
+                value = value.full_tensor()
+            if main:
+                out[key] = value.detach()
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         return {"decay": self.decay, "ema": self.ema or {}}

@@ -22,12 +22,17 @@ def _role(match: "re.Match[str]") -> str:
     return f"`{target}`"
 
 
+def roles_to_markdown(text: str) -> str:
+    """``:class:`~a.b.C``` -> ```C```, ``:func:`a.b``` -> ```a.b``` (the roles only)."""
+    return ROLE.sub(_role, text)
+
+
 def _indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
 def to_markdown(text: str) -> str:
-    lines = ROLE.sub(_role, text).split("\n")
+    lines = roles_to_markdown(text).split("\n")
     out: List[str] = []
     i = 0
     while i < len(lines):

@@ -29,6 +29,8 @@ from mkdocs.structure.nav import Navigation, Section
 from mkdocs.structure.pages import Page
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from griffe_rst import roles_to_markdown  # noqa: E402  (docs/griffe_rst.py, beside this file)
 
 # The public modules, grouped as the API reference lists them: DESIGN.md §1 (the seed's API),
 # §1b (the original's evaluate and deploy half) and the other modules whose names users import.
@@ -95,7 +97,7 @@ def summary(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         doc = ast.get_docstring(ast.parse(f.read())) or ""
     first = " ".join(doc.strip().split("\n\n", 1)[0].split())
-    return first.replace("|", "\\|")
+    return roles_to_markdown(first).replace("|", "\\|")
 
 
 def api_modules() -> List[Tuple[str, List[str]]]:

@@ -2,7 +2,7 @@
 
 1 runtime (process groups, checkpoint files, model unwrapping) < 2 builders (data, models,
 criteria, optimizers, config) < 3 callbacks (and the recorders and LR schedules, which are
-callbacks) < 4 engine (the loop, the trainer, launch) < 5 applications (pruning).
+callbacks) < 4 engine (the loop, the trainer, launch) < 5 applications (pruning, deploy).
 """
 import ast
 import os
@@ -25,6 +25,10 @@ LAYERS = {
     "basetrainer.scheduler": 3,
     "basetrainer.engine": 4,
     "basetrainer.pruning": 5,
+    # export and deployment; the original's entry points under engine/ and utils/ belong to it
+    "basetrainer.deploy": 5,
+    "basetrainer.utils.converter": 5,
+    **{f"basetrainer.engine.{rt}_engine": 5 for rt in ("onnx", "mnn", "ncnn", "openvino", "trt", "rknn")},
 }
 
 

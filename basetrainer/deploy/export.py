@@ -1,0 +1,267 @@
+"""Export a model to several formats, check each against eager PyTorch, time them: :func:`export_model`.
+
+Everything that can be refused is refused before a file is written: an unknown format, a
+runtime that is not installed, a checkpoint that is missing or holds weights of another
+architecture, an input size the model cannot take. Then each format is converted into a staging
+folder, run on the check images, compared with eager PyTorch (:mod:`.parity`), and only moved to
+its final path when it is within its bound; a conversion that fails, or an export outside its
+bound, leaves no file there, and the others go on. The run ends with the table (and JSON) and,
+when any format failed, an error.
+
+Example::
+
+    from basetrainer.deploy.export import export_model
+
+    report = export_model("work_space/digits/model/last.pth", "onnx,mnn,ncnn,openvino",
+                          check="data/digits/val")
+    print(report.to_markdown())
+"""
+import logging
+import os
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from basetrainer.deploy import data as image_data
+from basetrainer.deploy.files import size_of, staging
+from basetrainer.deploy.formats import HARDWARE, Job, check_installed, parse_formats
+from basetrainer.deploy.latency import interleaved
+from basetrainer.deploy.onnx_format import ExportError, pick_exporter
+from basetrainer.deploy.parity import BOUNDS, ParityError, compare, failures
+from basetrainer.deploy.report import ExportReport, Row
+from basetrainer.deploy.runtimes import require
+from basetrainer.deploy.source import ModelSource, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class ExportFailed(ExportError):
+    """A format could not be converted (its row says why); ``report`` holds the whole run."""
+
+
+def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequence[str]] = "onnx",
+                 out_dir: Optional[str] = None, input_size: Optional[Sequence[int]] = None,
+                 net_type: Optional[str] = None, num_classes: Optional[int] = None, pruned: Optional[str] = None,
+                 weights: str = "model", check: Any = None, check_limit: Optional[int] = None,
+                 calibration: Any = None, calibration_images: int = 200,
+                 mean: Sequence[float] = image_data.DEFAULT_MEAN, std: Sequence[float] = image_data.DEFAULT_STD,
+                 batch: int = 37, simplify: bool = True, exporter: str = "auto", opset: Optional[int] = None,
+                 runs: int = 20, warmup: int = 3, threads: Optional[int] = None, name: Optional[str] = None,
+                 strict: bool = True, dynamic: bool = True, input_names: Sequence[str] = ("input",),
+                 output_names: Sequence[str] = ("output",), report_files: bool = True) -> ExportReport:
+    """Export ``source`` to ``formats`` in ``out_dir``, checked on ``check``, and return the report.
+
+    Args:
+        source: a model (wrappers are looked through) or a checkpoint file (see :mod:`.source`).
+        formats: names of :data:`basetrainer.deploy.formats.FORMATS`, a list or ``"onnx,mnn"``.
+        out_dir: where the files go (default: ``export/`` beside the checkpoint, or ``./export``).
+        input_size: ``[W, H]`` (default: the size the checkpoint's run trained at).
+        net_type, num_classes, pruned, weights: how to build the model from a file (see
+            :func:`basetrainer.deploy.source.load_model`).
+        check: an ImageFolder of validation images, or an ``(N, C, H, W)`` array; ``None``: 16
+            random inputs (no accuracy then).
+        check_limit: use at most this many of the check images (a fixed subset).
+        calibration, calibration_images: the training ImageFolder (or array) that int8 is
+            calibrated on, and how many of its images (default: the ``train`` folder beside a
+            ``check`` folder, when there is one).
+        mean, std: the normalisation the model was trained with.
+        batch: the batch N of the dynamic-batch check and of the second latency column.
+        simplify, exporter, opset: ONNX options (see :mod:`.onnx_format`).
+        runs, warmup: timed and untimed rounds of the latency table (0 runs: no timing).
+        threads: threads of every runtime and of eager PyTorch (default: torch's).
+        name: the files' base name (default: the checkpoint's, or ``model``).
+        strict: raise when a format failed (after writing the report).
+        dynamic: the exported batch axis is dynamic (``False``: a fixed batch of 1).
+        input_names, output_names: the ONNX graph's names.
+        report_files: write ``<name>.export.json`` and ``.md`` into ``out_dir``.
+
+    Raises:
+        ValueError, FileNotFoundError, MissingRuntimeError: bad input, before any file is written.
+        ParityError: a format disagrees with eager PyTorch beyond its bound (``.report`` attached).
+        ExportFailed: a format could not be converted (``.report`` attached).
+    """
+    chosen = parse_formats(formats)
+    check_installed(chosen)
+    if any(f.name not in HARDWARE and "onnx" in f.modules for f in chosen) and pick_exporter(exporter, opset) == "dynamo":
+        require("onnxscript")
+    src = load_model(source, net_type, num_classes, list(input_size) if input_size else None, pruned, weights)
+    size = _input_size(src, input_size)
+    shape = (1, _channels(src.model), size[1], size[0])
+    _check_forward(src, shape)
+    images = _images(check, shape, check_limit, mean, std)
+    reference = _eager(src.model, images.inputs)
+    if images.labels is not None and reference[0].ndim == 2 and reference[0].shape[1] != len(images.classes):
+        raise ValueError(f"check folder {images.source!r} has {len(images.classes)} classes and the model has "
+                         f"{reference[0].shape[1]} outputs; pass the validation folder of the run that trained it")
+    calib = _calibration(calibration, check, chosen, shape, calibration_images, mean, std)
+    out_dir = out_dir or _default_out_dir(source)
+    stem = name or (os.path.splitext(os.path.basename(os.fspath(source)))[0]
+                    if isinstance(source, (str, os.PathLike)) else (src.net_type or "model"))
+    threads = threads or torch.get_num_threads()
+    report = ExportReport(src.description, list(shape), f"{len(images.inputs)} {images.source}")
+    eager = Row("pytorch", "PyTorch (eager)", "fp32", files=[os.fspath(source)] if isinstance(source, (str, os.PathLike))
+                else [], size_bytes=_param_bytes(src.model),
+                parity=compare(reference, reference, images.labels).as_dict())
+    report.rows.append(eager)
+    engines: Dict[str, Any] = {}
+    with staging(out_dir) as stage:
+        job = Job(src.model, shape, stage, stem, exporter, opset, simplify, calib, dynamic,
+                  (tuple(input_names), tuple(output_names)))
+        for fmt in chosen:
+            row = Row(fmt.name, fmt.runtime, fmt.precision, BOUNDS[fmt.precision].describe())
+            report.rows.append(row)
+            try:
+                engine = _export_one(fmt, job, row, images, reference, batch, threads, out_dir)
+            except Exception as e:   # one format's failure must not stop the others
+                logger.debug("%s failed", fmt.name, exc_info=True)
+                row.status, row.problems = "error", [f"{type(e).__name__}: {e}"]
+                continue
+            if engine is not None:
+                engines[fmt.name] = engine
+    if runs:
+        _time(report, src.model, engines, images.inputs, batch, runs, warmup, threads)
+    if src.input_size and list(src.input_size) != list(size):
+        report.notes.append(f"exported at {size[0]}x{size[1]}; the run trained at {src.input_size[0]}x{src.input_size[1]}")
+    if report_files:
+        paths = report.write(os.path.join(out_dir, f"{stem}.export.json"), os.path.join(out_dir, f"{stem}.export.md"))
+        logger.info("export report: %s", ", ".join(paths))
+    if strict and not report.ok:
+        _raise(report)
+    return report
+
+
+def _export_one(fmt: Any, job: Job, row: Row, images: Any, reference: List[np.ndarray], batch: int,
+                threads: int, out_dir: str) -> Any:
+    staged = fmt.write(job)
+    engine = fmt.load(staged, threads)
+    parity = compare(reference, engine(images.inputs), images.labels)
+    part = images.inputs[:batch]
+    together = engine(part)[0]
+    alone = np.concatenate([engine(part[i:i + 1])[0] for i in range(len(part))], axis=0)
+    parity.batch_max_abs = float(np.abs(together.astype(np.float64) - alone).max())
+    row.parity = parity.as_dict()
+    row.problems = failures(parity, BOUNDS[fmt.precision])
+    tolerance = BOUNDS[fmt.precision].max_abs or 1e-2 * max(parity.max_reference, 1e-12)
+    if parity.batch_max_abs > tolerance:
+        row.problems.append(f"batch of {len(part)} differs from one sample at a time by {parity.batch_max_abs:.3g}")
+    if row.problems:
+        row.status = "FAIL"
+        logger.error("%s is outside its bound (%s): %s; not written", fmt.name, row.bound, "; ".join(row.problems))
+        return None
+    row.files = job.stage.publish([(s, os.path.join(out_dir, os.path.basename(s))) for s in staged])
+    row.files = row.files[::-1] if len(row.files) > 1 else row.files    # the file naming the others first
+    row.size_bytes = size_of(row.files)
+    logger.info("%s: %s (max |Δ| %.3g, top-1 agreement %.2f%%)", fmt.name, ", ".join(row.files),
+                parity.max_abs, 100 * parity.agreement)
+    return engine
+
+
+def _input_size(src: ModelSource, input_size: Optional[Sequence[int]]) -> List[int]:
+    size = list(input_size) if input_size else src.input_size
+    if not size:
+        raise ValueError("the input size is unknown: pass input_size=[W, H] (--input-size W H)")
+    if len(size) != 2 or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in size):
+        raise ValueError(f"input_size={list(size)!r} must be two positive integers [W, H] (--input-size 32 32)")
+    return [int(v) for v in size]
+
+
+def _channels(model: nn.Module) -> int:
+    first = next((m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))), None)
+    return first.in_channels if isinstance(first, nn.Conv2d) else 3
+
+
+def _check_forward(src: ModelSource, shape: Sequence[int]) -> None:
+    try:
+        with torch.inference_mode():
+            src.model(torch.zeros(2, *shape[1:]))
+    except Exception as e:
+        trained = f" (it was trained at {src.input_size[0]}x{src.input_size[1]})" if src.input_size else ""
+        raise ValueError(f"the model cannot take inputs of {shape[3]}x{shape[2]} (W x H){trained}: its forward pass "
+                         f"fails with {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Pass the "
+                         f"size it was trained at (--input-size W H)") from None
+
+
+def _images(check: Any, shape: Sequence[int], limit: Optional[int], mean: Sequence[float],
+            std: Sequence[float]) -> image_data.Images:
+    if check is None:
+        return image_data.random_images(shape)
+    if isinstance(check, image_data.Images):
+        return check
+    if isinstance(check, (str, os.PathLike)):
+        return image_data.load_images(os.fspath(check), [shape[3], shape[2]], limit, mean, std, shape[1])
+    array = check.detach().cpu().numpy() if isinstance(check, torch.Tensor) else np.asarray(check, dtype=np.float32)
+    if array.ndim != 4 or tuple(array.shape[1:]) != tuple(shape[1:]):
+        raise ValueError(f"check images of shape {array.shape} do not fit the model's input (N, {shape[1]}, "
+                         f"{shape[2]}, {shape[3]})")
+    return image_data.Images(np.ascontiguousarray(array[:limit], dtype=np.float32), None, [], "given inputs")
+
+
+def _calibration(calibration: Any, check: Any, chosen: Sequence[Any], shape: Sequence[int], count: int,
+                 mean: Sequence[float], std: Sequence[float]) -> Optional[np.ndarray]:
+    if not any(f.name == "onnx-int8" for f in chosen):
+        return None
+    if calibration is None and isinstance(check, (str, os.PathLike)):
+        beside = os.path.join(os.path.dirname(os.path.abspath(os.fspath(check))), "train")
+        if os.path.isdir(beside) and os.path.abspath(beside) != os.path.abspath(os.fspath(check)):
+            logger.info("int8: calibrating on %d images of %s (the train folder beside the check folder)", count, beside)
+            calibration = beside
+    if calibration is None:
+        raise ValueError("onnx-int8 is calibrated on training images: pass calibration=<train ImageFolder> "
+                         "(--calibration data/digits/train)")
+    return _images(calibration, shape, count, mean, std).inputs
+
+
+def _eager(model: nn.Module, inputs: np.ndarray, chunk: int = 64) -> List[np.ndarray]:
+    parts: List[List[np.ndarray]] = []
+    with torch.inference_mode():
+        for i in range(0, len(inputs), chunk):
+            out = model(torch.from_numpy(inputs[i:i + chunk]))
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if not all(isinstance(o, torch.Tensor) for o in outs):
+                raise ValueError(f"{type(model).__name__} returns {type(out).__name__}: export needs a model that "
+                                 f"returns a tensor or a tuple of tensors")
+            parts.append([o.float().numpy() for o in outs])
+    return [np.concatenate([p[k] for p in parts], axis=0) for k in range(len(parts[0]))]
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def _default_out_dir(source: Any) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        return os.path.join(os.path.dirname(os.path.abspath(os.fspath(source))), "export")
+    return "export"
+
+
+def _time(report: ExportReport, model: nn.Module, engines: Dict[str, Any], inputs: np.ndarray, batch: int,
+          runs: int, warmup: int, threads: int) -> None:
+    """Latency of eager PyTorch and every passing export, interleaved, at batch 1 and batch N."""
+    big = np.concatenate([inputs] * (batch // len(inputs) + 1))[:batch] if len(inputs) < batch else inputs[:batch]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for key, x in (("batch 1", inputs[:1]), (f"batch {batch}", big)):
+            tensor = torch.from_numpy(np.ascontiguousarray(x))
+
+            def eager(t: torch.Tensor = tensor) -> None:
+                with torch.inference_mode():
+                    model(t)
+            contenders = {"pytorch": eager, **{k: (lambda e=e, a=x: e(a)) for k, e in engines.items()}}
+            for name, latency in interleaved(contenders, runs, warmup, batch=len(x), pause_s=0.05).items():
+                next(r for r in report.rows if r.format == name).latency[key] = latency.as_dict()
+    finally:
+        torch.set_num_threads(before)
+    report.notes.append(f"latency: median of {runs} timed runs after {warmup} warm-up rounds, eager PyTorch and the "
+                        f"exports interleaved (50 ms untimed pause before each call: runtimes' threads spin after a call), "
+                        f"{threads} thread(s), CPU")
+
+
+def _raise(report: ExportReport) -> None:
+    lines = [f"{row.format}: {row.status}: {'; '.join(row.problems)}" for row in report.failed]
+    error = (ParityError if any(r.status == "FAIL" for r in report.failed) else ExportFailed)(
+        "export failed for " + " | ".join(lines))
+    error.report = report   # type: ignore[attr-defined]
+    raise error

@@ -1,0 +1,89 @@
+"""The export run's results as a markdown table and as JSON (both written atomically)."""
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from basetrainer.runtime import atomic
+
+
+@dataclass
+class Row:
+    """One line of the table: eager PyTorch (the reference) or one format."""
+    format: str
+    runtime: str
+    precision: str
+    bound: str = ""
+    files: List[str] = field(default_factory=list)
+    size_bytes: Optional[int] = None
+    parity: Optional[Dict[str, Any]] = None
+    latency: Dict[str, Dict[str, Any]] = field(default_factory=dict)   # "batch 1" / "batch N" -> Latency.as_dict()
+    status: str = "ok"            # ok | FAIL (outside its bound) | error (no export)
+    problems: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ExportReport:
+    """Everything one export run measured; ``ok`` when every format passed."""
+    source: str
+    input_shape: List[int]
+    checked_on: str
+    rows: List[Row] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(row.status == "ok" for row in self.rows)
+
+    @property
+    def failed(self) -> List[Row]:
+        return [row for row in self.rows if row.status != "ok"]
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"source": self.source, "input_shape": self.input_shape, "checked_on": self.checked_on, "ok": self.ok,
+                "rows": [row.__dict__ for row in self.rows], "notes": self.notes}
+
+    def to_markdown(self) -> str:
+        sizes = sorted({k for row in self.rows for k in row.latency})
+        head = ["format", "runtime", "precision", "file", "size", "max abs Δ", "top-1 agree", "accuracy",
+                "batch 1 vs N Δ"] + [f"{k} ms (IQR)" for k in sizes] + ["status"]
+        lines = [f"Export of {self.source}, input {tuple(self.input_shape)}, checked on {self.checked_on}", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for row in self.rows:
+            p = row.parity or {}
+            cells = [row.format, row.runtime, row.precision, ", ".join(os.path.basename(f) for f in row.files) or "-",
+                     _size(row.size_bytes), _num(p.get("max_abs")), _pct(p.get("agreement")), _pct(p.get("accuracy")),
+                     _num(p.get("batch_max_abs"))]
+            cells += [_latency(row.latency.get(k)) for k in sizes]
+            cells.append(row.status if row.status == "ok" else f"**{row.status}**: {'; '.join(row.problems)}")
+            lines.append("| " + " | ".join(cells) + " |")
+        bounds = sorted({(row.precision, row.bound) for row in self.rows if row.bound})
+        if bounds:
+            lines += ["", "Bounds: " + "; ".join(f"{prec}: {text}" for prec, text in bounds)]
+        lines += [f"Note: {note}" for note in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def write(self, json_path: str, markdown_path: Optional[str] = None) -> List[str]:
+        """Write the JSON (and the markdown table) atomically; return the paths."""
+        written = [atomic.write_atomically(json.dumps(self.as_dict(), indent=2, default=str) + "\n", json_path)]
+        if markdown_path:
+            written.append(atomic.write_atomically(self.to_markdown(), markdown_path))
+        return written
+
+
+def _num(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2g}"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2%}"
+
+
+def _size(n: Optional[int]) -> str:
+    return "-" if n is None else atomic.human(n)
+
+
+def _latency(lat: Optional[Dict[str, Any]]) -> str:
+    if not lat:
+        return "-"
+    return f"{lat['median_ms']:.2f} ({lat['q1_ms']:.2f}-{lat['q3_ms']:.2f})"

@@ -177,10 +177,13 @@ def _check_forward(src: ModelSource, shape: Sequence[int]) -> None:
         with torch.inference_mode():
             src.model(torch.zeros(2, *shape[1:]))
     except Exception as e:
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if src.input_size and list(src.input_size) == [shape[3], shape[2]]:
+            raise ValueError(f"the model's forward pass fails on inputs of {shape[3]}x{shape[2]} (W x H), the size "
+                             f"it was trained at: {failure}") from None
         trained = f" (it was trained at {src.input_size[0]}x{src.input_size[1]})" if src.input_size else ""
         raise ValueError(f"the model cannot take inputs of {shape[3]}x{shape[2]} (W x H){trained}: its forward pass "
-                         f"fails with {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Pass the "
-                         f"size it was trained at (--input-size W H)") from None
+                         f"fails with {failure}. Pass the size it was trained at (--input-size W H)") from None
 
 
 def _images(check: Any, shape: Sequence[int], limit: Optional[int], mean: Sequence[float],

@@ -85,8 +85,7 @@ def load_model(source: Union[str, nn.Module, Any], net_type: Optional[str] = Non
         raise ValueError(f"weights={weights!r} must be 'model' or 'ema'")
     if not isinstance(source, (str, os.PathLike)):
         model = copy.deepcopy(unwrap(source)).cpu().eval()
-        return ModelSource(model, f"{type(model).__name__} module", net_type, num_classes,
-                           list(input_size) if input_size else None)
+        return ModelSource(model, f"{type(model).__name__} module", net_type, num_classes)   # trained size unknown
     path = os.fspath(source)
     if os.path.isdir(path):
         raise ValueError(f"{path!r} is a folder; pass a file: a weights file (best_model_*.pth), last.pth or "

@@ -5,12 +5,15 @@ often several at once and under names of their own. They write into a hidden sta
 beside the final files; only a finished (and checked) export is moved to its final paths, one
 file at a time through the runtime layer's atomic writer, the data file (``.bin``) before the
 file that names it (``.param``, ``.xml``). A conversion that fails half-way leaves nothing at the
-final paths (an older file there is left as it was) and its staging folder is removed.
+final paths (an older file there is left as it was) and its staging folder is removed; the
+staging folder of an export that was killed is removed by the next export into that folder.
 """
 import contextlib
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from typing import Iterator, List, Sequence
 
@@ -19,12 +22,20 @@ from basetrainer.runtime import atomic
 logger = logging.getLogger(__name__)
 
 
+_STAGING = re.compile(r"^\.export-tmp-(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
+
+
 class Staging:
-    """A hidden folder beside the outputs, where converters write; see :func:`staging`."""
+    """A hidden folder beside the outputs, where converters write; see :func:`staging`.
+
+    Its name holds the host and the process id, so the staging folders that killed exports left
+    in ``folder`` (their process is gone) are removed when the next export there starts.
+    """
 
     def __init__(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
-        self.folder = tempfile.mkdtemp(prefix=".export-tmp-", dir=folder)
+        remove_stale(folder)
+        self.folder = tempfile.mkdtemp(prefix=f".export-tmp-{socket.gethostname()}-{os.getpid()}-", dir=folder)
 
     def path(self, name: str) -> str:
         """Where a converter writes the file ``name`` (a bare file name)."""
@@ -62,6 +73,20 @@ def staging(folder: str) -> Iterator[Staging]:
         yield stage
     finally:
         stage.close()
+
+
+def remove_stale(folder: str) -> List[str]:
+    """Remove the staging folders in ``folder`` of exports of this machine whose process is gone."""
+    removed = []
+    host = socket.gethostname()
+    for name in os.listdir(folder):
+        match = _STAGING.match(name)
+        if match and match.group("host") == host and not atomic.pid_alive(int(match.group("pid"))):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            removed.append(name)
+    if removed:
+        logger.info("removed %d staging folder(s) of killed exports in %s", len(removed), folder)
+    return removed
 
 
 def publish_file(staged: str, final: str) -> str:

@@ -9,7 +9,10 @@ quantization (QDQ, per channel) calibrated on real images.
 
 These functions write where they are told; :mod:`.files` makes the files land atomically.
 """
+import errno
 import logging
+import os
+import shutil
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from basetrainer.deploy.runtimes import require
+from basetrainer.runtime import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,10 @@ def write_onnx(model: nn.Module, path: str, input_shape: Sequence[int], input_na
             warnings.simplefilter("ignore", FutureWarning)
             torch.onnx.export(model, (example,), path, dynamo=kind == "dynamo", **kwargs)
     except Exception as e:   # the exporters raise many types; one message names the way out
+        folder = os.path.dirname(os.path.abspath(path))
+        if atomic.space_error(e) is not None or _short_write(e, folder):
+            raise atomic.DiskFullError(errno.ENOSPC, f"no space left in {folder} for the ONNX file of "
+                                                     f"{type(model).__name__}; free space or pass another out_dir") from e
         other = "torchscript" if kind == "dynamo" else "dynamo"
         raise ExportError(f"torch's {kind} ONNX exporter failed on {type(model).__name__}: "
                           f"{type(e).__name__}: {_first_line(e)}. Try exporter='{other}', or another opset") from e
@@ -169,6 +177,17 @@ def write_int8(src: str, dst: str, calibration: np.ndarray, batch: int = 16) -> 
     finally:
         root.setLevel(level)
     return dst
+
+
+def _short_write(e: BaseException, folder: str) -> bool:
+    """torch's file writer reports a full disk as "N requested and M written" (no errno)."""
+    text = f"{e} {e.__cause__ or ''} {e.__context__ or ''}"
+    if "requested and" not in text or "written" not in text:
+        return False
+    try:
+        return shutil.disk_usage(folder).free < 16 * 2**20
+    except OSError:
+        return True
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,9 +13,11 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
+from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
@@ -543,3 +545,186 @@ def test_failed_checkpoint_write_is_raised_not_hidden_by_the_tracker(tmp_path, e
                     ModelCheckpoint(model_dir=str(work / "model"), indicator="loss")], loggers=["csv"])
     _, runs = _runs(work)
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
+
+
+# ------------------------------------------------------------------------------ a dead store
+# Only 127.0.0.1: a port nothing listens on, and one that accepts TCP connections (the kernel's
+# backlog) but never reads nor answers, the worse case (an HTTP client waits for its timeout).
+@pytest.fixture(params=["closed", "silent"])
+def dead_port(request):
+    from conftest import free_port
+
+    if request.param == "closed":
+        yield free_port()
+        return
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def hang_guard():
+    """Fails a run that stalls (the old code sat minutes in HTTP retries) after 60 s instead of
+    minutes: SIGALRM raises in the main thread, wherever it waits."""
+    def stalled(signum, frame):
+        raise TimeoutError("stalled for 60 s")
+
+    previous = signal.signal(signal.SIGALRM, stalled)
+    signal.setitimer(signal.ITIMER_REAL, 60)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Clock(Callback):
+    """When training began (first in the list) and when each epoch ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.begin, self.epochs = None, []
+
+    def on_train_begin(self, logs=None):
+        self.begin = time.time()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(time.time())
+
+
+def _tracker_warnings(records, name):
+    return [r for r in records if r.levelno >= logging.WARNING and name in r.getMessage()]
+
+
+def _assert_one_early_warning_and_the_same_figures(caplog, clock, name, history, reference, work):
+    warnings = _tracker_warnings(caplog.records, name)
+    assert len(warnings) == 1, [w.getMessage() for w in warnings]
+    assert "training goes on" in warnings[0].getMessage()
+    waited = warnings[0].created - clock.begin
+    assert waited < 10, f"{waited:.1f} s before the warning"   # a hang guard (the old code: minutes)
+    assert history.epochs == reference.epochs                  # trained to the end, the same figures
+    assert [r["epoch"] for r in _csv(work / "log" / "history.csv")] == [0, 1]
+    return warnings[0].getMessage(), waited
+
+
+@needs_mlflow
+def test_a_dead_mlflow_server_costs_seconds_and_one_warning(tmp_path, caplog, dead_port, hang_guard):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    _, reference = _run(tmp_path / "reference", [LossesRecorder(), LogHistory(str(tmp_path / "reference" / "log"))],
+                        loggers=["csv"])
+    work = tmp_path / "work"
+    clock = Clock()
+    with caplog.at_level(logging.WARNING):
+        _, history = _run(work, [clock, LossesRecorder(), LogHistory(str(work / "log"), log_freq=2)],
+                          loggers=["csv", "mlflow"], mlflow_uri=f"http://127.0.0.1:{dead_port}")
+    message, _ = _assert_one_early_warning_and_the_same_figures(caplog, clock, "MLflowLogger", history, reference,
+                                                                work)
+    assert f"127.0.0.1:{dead_port}" in message
+    assert not glob.glob(str(work / "mlflow*"))   # no local store instead
+
+
+@needs_wandb
+def test_an_unreachable_wandb_server_costs_seconds_and_one_warning(tmp_path, caplog, dead_port, hang_guard,
+                                                                   monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{dead_port}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    _, reference = _run(tmp_path / "reference", [LossesRecorder(), LogHistory(str(tmp_path / "reference" / "log"))],
+                        loggers=["csv"])
+    work = tmp_path / "work"
+    clock = Clock()
+    with caplog.at_level(logging.WARNING):
+        _, history = _run(work, [clock, LossesRecorder(), LogHistory(str(work / "log"), log_freq=2)],
+                          loggers=["csv", "wandb"])
+    message, _ = _assert_one_early_warning_and_the_same_figures(caplog, clock, "WandbLogger", history, reference, work)
+    assert f"127.0.0.1:{dead_port}" in message
+
+
+def _dead_store_under_ddp(rank, work, port):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("basetrainer").addHandler(handler)
+    clock = Clock()
+    cfg = toy_cfg(num_epochs=2, n_train=64, n_test=16, work_dir=work, log_freq=2, distributed=True, loggers=["csv"])
+    callbacks = [clock, LossesRecorder(), LogHistory(os.path.join(work, "log"), log_freq=2),
+                 MLflowLogger(uri=f"http://127.0.0.1:{port}")]
+    history = ToyTrainer(cfg, callbacks=callbacks).run().epochs
+    logging.getLogger("basetrainer").removeHandler(handler)
+    return {"first_epoch": clock.epochs[0] - clock.begin, "history": history,
+            "warnings": [m for m in messages if "MLflowLogger" in m]}
+
+
+@needs_mlflow
+@pytest.mark.distributed
+def test_a_dead_mlflow_server_under_ddp_costs_every_rank_seconds(tmp_path, dead_port):
+    from conftest import run_distributed
+
+    ranks = run_distributed(_dead_store_under_ddp, 2, tmp_path, str(tmp_path / "work"), dead_port, timeout=200)
+    for rank in ranks:   # rank 1 waited in its first collective while rank 0 retried (60 s: gloo's timeout)
+        assert rank["first_epoch"] < 10, f"{rank['first_epoch']:.1f} s to the end of epoch 0"
+        assert rank["history"] == ranks[0]["history"] and len(rank["history"]) == 2
+    assert len(ranks[0]["warnings"]) == 1 and ranks[1]["warnings"] == []   # rank 0 talks to the store
+    assert f"127.0.0.1:{dead_port}" in ranks[0]["warnings"][0]
+
+
+@needs_mlflow
+@pytest.mark.parametrize("uri,key,message", [
+    ("htp://127.0.0.1:5000", "mlflow_uri", r"mlflow_uri='htp://127.0.0.1:5000': MLflow has no store for the scheme "
+                                          r"'htp'; use http\(s\)://host:port"),
+    ("http://127.0.0.1:99999", "uri", r"uri='http://127.0.0.1:99999': the port is not a number in 1..65535"),
+    ("https:///api", "mlflow_uri", r"mlflow_uri='https:///api' names no host"),
+])
+def test_a_tracking_uri_mlflow_cannot_take_is_an_error_before_training(tmp_path, uri, key, message):
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    work = tmp_path / "work"
+    tracker = MLflowLogger(uri=uri) if key == "uri" else MLflowLogger()
+    trained = []
+    with pytest.raises(ValueError, match=message):
+        _run(work, [LossesRecorder(), LogHistory(str(work / "log")), tracker,
+                    type("Steps", (Callback,), {"on_batch_end": lambda self, b, logs=None: trained.append(b)})()],
+             **({"mlflow_uri": uri} if key == "mlflow_uri" else {}))
+    assert trained == [] and tracker.client is None
+    for bad in (0, -1, float("nan"), "5", True):
+        with pytest.raises(ValueError, match=rf"timeout={bad!r} must be a positive number of seconds"):
+            MLflowLogger(timeout=bad)
+
+
+@needs_mlflow
+def test_every_mlflow_request_of_the_run_is_bounded_and_the_users_settings_win(monkeypatch, dead_port):
+    # a store that dies after the start: the probe has passed, each request is bounded (the
+    # default: 120 s per try, 7 retries with growing back-off)
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from basetrainer.callbacks.mlflow_logger import _bounded_requests
+
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        monkeypatch.delenv(name, raising=False)
+    client = MlflowClient(tracking_uri=f"http://127.0.0.1:{dead_port}")
+    start = time.monotonic()
+    with _bounded_requests(1.0), pytest.raises(MlflowException, match=f"127.0.0.1:{dead_port}"):
+        client.get_experiment_by_name("x")
+    assert time.monotonic() - start < 8          # 2 tries of 1 s and 1 s of back-off at most, with jitter
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ   # set for the calls only
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "77")
+    with _bounded_requests(1.0):
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77"
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77" and "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ

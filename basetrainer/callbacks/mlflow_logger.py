@@ -1,10 +1,15 @@
 """MLflowLogger: the figures LogHistory logs, the config and the best model, in an MLflow run
 (see :mod:`basetrainer.callbacks.trackers` for the rules every tracker follows)."""
+import contextlib
+import importlib.metadata
 import logging
+import math
 import os
 import time
-from typing import Any, Dict, Optional
+import urllib.parse
+from typing import Any, Dict, Iterator, Optional
 
+from basetrainer.callbacks import reachability
 from basetrainer.callbacks.trackers import Tracker, import_tracker_package, require
 from basetrainer.runtime.checkpoint import QUIET_KEYS, plain
 
@@ -25,14 +30,25 @@ class MLflowLogger(Tracker):
     (MLflow's parameters are immutable): it is recorded as the tag
     ``config_changed.<key>`` = ``"<new> (was <old>, from epoch <n>)"``.
 
+    A tracking server that does not answer costs at most about ``timeout`` seconds before the
+    one warning: its address is probed first (a refused port fails at once; one that accepts
+    and never answers after ``timeout``), and every request of the run is bounded (one retry,
+    ``timeout`` seconds to answer; ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
+    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` set in the
+    environment win). A URI MLflow has no store for (a mistyped scheme, a bad port) is an
+    error when training starts, on every rank.
+
     Args:
         uri: the tracking URI (``sqlite:///...``, ``http://host:5000``, ``databricks``, ...).
         experiment: the experiment's name (default: ``basetrainer``).
         run_name: the run's name (default: the name of ``work_dir``).
         log_best_model: log the best weights as an artifact at the end.
+        timeout: seconds the tracking server may take to answer (the probe, each request).
 
     Raises:
         ImportError: mlflow is not installed (``pip install "basetrainer[mlflow]"``).
+        ValueError: ``timeout`` is not a positive number; at ``on_train_begin``, a URI with a
+            scheme MLflow has no store for.
 
     Example::
 
@@ -43,9 +59,12 @@ class MLflowLogger(Tracker):
     name = "mlflow"
 
     def __init__(self, uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
-                 log_best_model: bool = True) -> None:
+                 log_best_model: bool = True, timeout: float = 5.0) -> None:
         super().__init__()
         require("mlflow", "mlflow", "loggers: mlflow (MLflowLogger)")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default 5)")
+        self.timeout = float(timeout)
         self.uri = uri
         self.experiment = experiment
         self.run_name = run_name
@@ -58,12 +77,20 @@ class MLflowLogger(Tracker):
         uri = self.uri or (cfg.get("mlflow_uri") if hasattr(cfg, "get") else None)
         return uri or "sqlite:///" + os.path.join(self.folder(), "mlflow.db")
 
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        check_uri(self.tracking_uri(), "uri" if self.uri else "mlflow_uri")   # every rank: bad input ends the job
+        super().on_train_begin(logs)
+
+    def _calls(self) -> Any:
+        return _bounded_requests(self.timeout)
+
     def _start(self, start_epoch: int) -> None:
         import_tracker_package("mlflow", "mlflow", "loggers: mlflow (MLflowLogger)")
         from mlflow.entities import Param, RunStatus, RunTag
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri()
+        reachability.probe(uri, self.timeout, "the MLflow tracking server")   # before MLflow's minutes of retries
         if uri.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
         self.client = client = MlflowClient(tracking_uri=uri)
@@ -162,3 +189,54 @@ class MLflowLogger(Tracker):
                 self.client.log_artifact(self.run_id, path, artifact_path="best_model")
         self.client.set_terminated(self.run_id, status=RunStatus.to_string(
             RunStatus.FINISHED if done else RunStatus.FAILED))
+
+
+# the schemes of MLflow's own stores (plugins add theirs through the "mlflow.tracking_store" entry points)
+_SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc")
+_DATABASES = ("postgresql", "mysql", "sqlite", "mssql")
+
+
+def check_uri(uri: str, key: str) -> None:
+    """Refuse a tracking URI MLflow has no store for, or a server address that cannot be one,
+    without importing mlflow or touching the network.
+
+    Raises:
+        ValueError: naming ``key``, the URI and the forms MLflow takes.
+    """
+    forms = ("http(s)://host:port (a tracking server), sqlite:///path/mlflow.db, file:///folder, "
+             "postgresql://..., databricks; or leave it out for sqlite:///<work_dir>/mlflow.db")
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError(f"{key}={uri!r}: a tracking URI is a non-empty string: {forms}")
+    scheme = urllib.parse.urlsplit(uri).scheme.lower()
+    known = (scheme in _SCHEMES or len(scheme) == 1   # a Windows drive: a local path
+             or any(scheme.startswith(db) for db in _DATABASES) or scheme in _plugin_schemes())
+    if not known:
+        raise ValueError(f"{key}={uri!r}: MLflow has no store for the scheme {scheme!r}; use {forms}")
+    try:
+        reachability.server_of(uri)
+    except ValueError as e:
+        raise ValueError(f"{key}={e}") from None
+
+
+def _plugin_schemes() -> set:
+    try:
+        return {ep.name for ep in importlib.metadata.entry_points(group="mlflow.tracking_store")}
+    except Exception:   # a broken distribution's metadata: MLflow itself will tell
+        return set()
+
+
+@contextlib.contextmanager
+def _bounded_requests(timeout: float) -> Iterator[None]:
+    """MLflow's HTTP requests bounded for the calls inside: ``timeout`` seconds to answer, one
+    retry after 1 s of back-off (MLflow's defaults: 120 s, 7 retries, back-off factor 2:
+    minutes for a server that is down). A value the user set in the environment wins."""
+    bounds = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout))),
+              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+    added = [name for name in bounds if name not in os.environ]
+    for name in added:
+        os.environ[name] = bounds[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

@@ -31,15 +31,19 @@ The rules every tracker follows:
   checkpoint's history that the run lacks (a killed W&B process loses what it had not yet
   written to disk);
 - a tracker that fails while training (store unreachable, disk full, an error in a log call)
-  logs one warning and stops logging; training goes on.
+  logs one warning and stops logging; training goes on. A server that does not answer costs
+  seconds, not minutes: its address is probed with a short timeout before the tracker's
+  client is handed it (:mod:`basetrainer.callbacks.reachability`), and MLflow's requests are
+  bounded (``timeout``) for the whole run.
 """
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
 import sys
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, Type
 
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.runtime import atomic
@@ -108,13 +112,19 @@ class Tracker(Callback):
         if self.failed:
             return None
         try:
-            return fn()
+            with self._calls():
+                return fn()
         except Exception as e:
             self.failed = True
             self._active = False
             _logger.warning("%s: %s failed (%s: %s); it logs nothing more in this run, training goes on",
                             type(self).__name__, action, type(e).__name__, e)
             return None
+
+    def _calls(self) -> ContextManager[Any]:
+        """The context every call to the hooks runs in (a subclass may bound its client's
+        requests there); none by default."""
+        return contextlib.nullcontext()
 
     def config(self) -> Dict[str, Any]:
         """The trainer's config as plain values (what a tracker records as the run's parameters)."""

@@ -4,6 +4,7 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
+from basetrainer.callbacks import reachability
 from basetrainer.callbacks.trackers import Tracker, import_tracker_package, require
 
 _logger = logging.getLogger(__name__)
@@ -32,18 +33,25 @@ class WandbLogger(Tracker):
         mode: ``online``, ``offline`` or ``disabled`` (default: ``$WANDB_MODE``, else W&B's).
         tags: tags of the run.
         log_best_model: log the best weights as an artifact at the end.
+        timeout: seconds the W&B server may take to answer before the run is given up with
+            one warning (online only: its address is probed before ``wandb.init``, which waits
+            90 s for a server that does not answer, after its own retries).
 
     Raises:
         ImportError: wandb is not installed (``pip install "basetrainer[wandb]"``).
+        ValueError: ``timeout`` is not a positive number.
     """
 
     name = "wandb"
 
     def __init__(self, project: Optional[str] = None, entity: Optional[str] = None, name: Optional[str] = None,
                  dir: Optional[str] = None, mode: Optional[str] = None, tags: Optional[List[str]] = None,
-                 log_best_model: bool = True) -> None:
+                 log_best_model: bool = True, timeout: float = 5.0) -> None:
         super().__init__()
         require("wandb", "wandb", "loggers: wandb (WandbLogger)")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default 5)")
+        self.timeout = float(timeout)
         self.project = project
         self.entity = entity
         self.run_name = name
@@ -60,6 +68,9 @@ class WandbLogger(Tracker):
         os.makedirs(folder, exist_ok=True)
         config = self.config()
         self.run_id = self.run_id or "".join(ch for ch in str(self.job).lower() if ch.isalnum())[-32:]
+        server = self._server(wandb)
+        if server is not None:   # online: before wandb.init's minutes of waiting for a dead server
+            reachability.probe(server, self.timeout, "the W&B server")
         self.run = run = wandb.init(project=self.project or os.environ.get("WANDB_PROJECT") or "basetrainer",
                                     entity=self.entity, name=self.run_name or os.path.basename(self.folder()),
                                     dir=folder, mode=self.mode, tags=self.tags, id=self.run_id, resume="allow",
@@ -70,6 +81,23 @@ class WandbLogger(Tracker):
         run.define_metric("epoch")
         run.define_metric("train_step/*", step_metric="global_step")
         _logger.info("W&B: run %s in %s", self.run_id, folder)
+
+    def _server(self, wandb: Any) -> Optional[str]:
+        """The W&B server this run would talk to (``WANDB_BASE_URL``, else W&B's settings
+        file, else its default), or None when it talks to none (offline, disabled)."""
+        settings = wandb.Settings()
+        try:   # as wandb.setup() reads them: the settings file, then the environment
+            folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join("~", ".config", "wandb")
+            settings.settings_system = os.path.join(os.path.expanduser(folder), "settings")
+            settings.update_from_system_settings()
+            settings.update_from_env_vars(os.environ.copy())
+        except Exception:   # another wandb version: the environment and the defaults only
+            pass
+        mode = (self.mode or os.environ.get("WANDB_MODE") or getattr(settings, "mode", None) or "online").lower()
+        if mode in ("offline", "dryrun", "disabled") or str(os.environ.get("WANDB_DISABLED", "")).lower() in (
+                "true", "1", "yes"):
+            return None
+        return os.environ.get("WANDB_BASE_URL") or getattr(settings, "base_url", None)
 
     def _row(self, row: Dict[str, Any], step: int) -> None:
         if step < self._next_step:

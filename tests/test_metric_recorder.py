@@ -305,8 +305,17 @@ def _reduce_kinds(rank):
     lonely = ExplainedVariance(multioutput="raw_values", sync_on_compute=False)
     if rank == 0:
         lonely.update(torch.tensor([[1.0, 0.0], [2.0, 1.0], [4.0, 1.0]]), torch.tensor([[1.0, 1.0], [3.0, 0.0], [4.0, 2.0]]))
+    # one-input metrics that only rank 0 (or the one process) updates: rank 1's list state is empty
+    alone = {"cat": CatMetric(sync_on_compute=False), "max": MaxMetric(sync_on_compute=False),
+             "sum": SumMetric(sync_on_compute=False)}
+    if rank == 0:
+        for m in alone.values():
+            m.update(torch.tensor([2.5, -1.5]))
+            m.update(torch.tensor(4.0))
     out = {k: metric_states.compute_reduced(m, metric_states.reduce_states(m)) for k, m in metrics.items()}
     out["lonely"] = metric_states.compute_reduced(lonely, metric_states.reduce_states(lonely)).tolist()
+    out["alone"] = {k: metric_states.compute_reduced(m, metric_states.reduce_states(m)).tolist()
+                    for k, m in alone.items()}
     out["local_max"] = metrics["max"].compute()   # the local state stays this rank's
     return out
 
@@ -393,6 +402,7 @@ def test_states_reduce_by_their_kind_also_with_a_rank_that_saw_nothing(single, d
             assert float(out[key]) == pytest.approx(float(one[key]), rel=1e-6), key
         assert out["lonely"] == pytest.approx(one["lonely"], rel=1e-6)
         assert sorted(out["cat"].tolist()) == sorted(one["cat"].tolist())
+        assert out["alone"] == one["alone"] == {"cat": [2.5, -1.5, 4.0], "max": 4.0, "sum": 5.0}
         assert float(out["local_max"]) == (3.0 if r == 0 else 7.0)
 
 

@@ -6,7 +6,7 @@ does; pass your training script's values). A subset of ``limit`` images is drawn
 seed, so two runs check the same images.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -24,10 +24,10 @@ class Images:
     source: str
 
 
-def load_images(root: str, input_size: Sequence[int], limit: Optional[int] = None,
+def load_images(root: Union[str, Sequence[str]], input_size: Sequence[int], limit: Optional[int] = None,
                 mean: Sequence[float] = DEFAULT_MEAN, std: Sequence[float] = DEFAULT_STD,
                 channels: int = 3, seed: int = 0, key: str = "check") -> Images:
-    """The images of the ImageFolder ``root`` at ``input_size`` ``[W, H]``.
+    """The images of the ImageFolder ``root`` (or several, with the same classes) at ``input_size`` ``[W, H]``.
 
     Raises:
         FileNotFoundError / ValueError: ``root`` is not an image folder (the message names ``key``).
@@ -51,7 +51,8 @@ def load_images(root: str, input_size: Sequence[int], limit: Optional[int] = Non
         images.append(image)
         labels.append(label)
     inputs = torch.stack(images).numpy().astype(np.float32)
-    return Images(np.ascontiguousarray(inputs), np.asarray(labels, dtype=np.int64), list(dataset.classes), root)
+    source = root if isinstance(root, str) else ", ".join(root)
+    return Images(np.ascontiguousarray(inputs), np.asarray(labels, dtype=np.int64), list(dataset.classes), source)
 
 
 def random_images(shape: Sequence[int], count: int = 16, seed: int = 0) -> Images:

@@ -18,7 +18,7 @@ Example::
 """
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -105,7 +105,7 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                 else [], size_bytes=_param_bytes(src.model),
                 parity=compare(reference, reference, images.labels).as_dict())
     report.rows.append(eager)
-    engines: Dict[str, Any] = {}
+    report.inputs, report.runners = images.inputs, {"pytorch": _eager_runner(src.model)}
     with staging(out_dir) as stage:
         job = Job(src.model, shape, stage, stem, exporter, opset, simplify, calib, dynamic,
                   (tuple(input_names), tuple(output_names)))
@@ -119,9 +119,9 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                 row.status, row.problems = "error", [f"{type(e).__name__}: {e}"]
                 continue
             if engine is not None:
-                engines[fmt.name] = engine
+                report.runners[fmt.name] = engine
     if runs:
-        _time(report, src.model, engines, images.inputs, batch, runs, warmup, threads)
+        time_reports([report], batch, runs, warmup, threads)
     if src.input_size and list(src.input_size) != list(size):
         report.notes.append(f"exported at {size[0]}x{size[1]}; the run trained at {src.input_size[0]}x{src.input_size[1]}")
     if report_files:
@@ -192,8 +192,10 @@ def _images(check: Any, shape: Sequence[int], limit: Optional[int], mean: Sequen
         return image_data.random_images(shape)
     if isinstance(check, image_data.Images):
         return check
-    if isinstance(check, (str, os.PathLike)):
-        return image_data.load_images(os.fspath(check), [shape[3], shape[2]], limit, mean, std, shape[1])
+    if isinstance(check, (str, os.PathLike)) or (isinstance(check, (list, tuple)) and check
+                                                  and all(isinstance(c, (str, os.PathLike)) for c in check)):
+        roots = os.fspath(check) if isinstance(check, (str, os.PathLike)) else [os.fspath(c) for c in check]
+        return image_data.load_images(roots, [shape[3], shape[2]], limit, mean, std, shape[1])
     array = check.detach().cpu().numpy() if isinstance(check, torch.Tensor) else np.asarray(check, dtype=np.float32)
     if array.ndim != 4 or tuple(array.shape[1:]) != tuple(shape[1:]):
         raise ValueError(f"check images of shape {array.shape} do not fit the model's input (N, {shape[1]}, "
@@ -239,27 +241,35 @@ def _default_out_dir(source: Any) -> str:
     return "export"
 
 
-def _time(report: ExportReport, model: nn.Module, engines: Dict[str, Any], inputs: np.ndarray, batch: int,
-          runs: int, warmup: int, threads: int) -> None:
-    """Latency of eager PyTorch and every passing export, interleaved, at batch 1 and batch N."""
+def time_reports(reports: Sequence[ExportReport], batch: int = 37, runs: int = 20, warmup: int = 3,
+                 threads: Optional[int] = None) -> None:
+    """Time eager PyTorch and every passing export of ``reports`` (made with ``runs=0``) in one
+    interleaved loop, at batch 1 and batch ``batch``, on the first report's check images; the
+    figures go into each row's ``latency`` (so two exports, e.g. dense and pruned, compare fairly)."""
+    inputs = reports[0].inputs
+    threads = threads or torch.get_num_threads()
     big = np.concatenate([inputs] * (batch // len(inputs) + 1))[:batch] if len(inputs) < batch else inputs[:batch]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for key, x in (("batch 1", inputs[:1]), (f"batch {batch}", big)):
-            tensor = torch.from_numpy(np.ascontiguousarray(x))
-
-            def eager(t: torch.Tensor = tensor) -> None:
-                with torch.inference_mode():
-                    model(t)
-            contenders = {"pytorch": eager, **{k: (lambda e=e, a=x: e(a)) for k, e in engines.items()}}
-            for name, latency in interleaved(contenders, runs, warmup, batch=len(x), pause_s=0.05).items():
-                next(r for r in report.rows if r.format == name).latency[key] = latency.as_dict()
+            contenders = {(i, name): (lambda run=run, a=np.ascontiguousarray(x): run(a))
+                          for i, report in enumerate(reports) for name, run in report.runners.items()}
+            for (i, name), latency in interleaved(contenders, runs, warmup, batch=len(x), pause_s=0.05).items():
+                next(r for r in reports[i].rows if r.format == name).latency[key] = latency.as_dict()
     finally:
         torch.set_num_threads(before)
-    report.notes.append(f"latency: median of {runs} timed runs after {warmup} warm-up rounds, eager PyTorch and the "
-                        f"exports interleaved (50 ms untimed pause before each call: runtimes' threads spin after a call), "
-                        f"{threads} thread(s), CPU")
+    for report in reports:
+        report.notes.append(f"latency: median of {runs} timed runs after {warmup} warm-up rounds, eager PyTorch and "
+                            f"the exports interleaved (50 ms untimed pause before each call: runtimes' threads spin "
+                            f"after a call), {threads} thread(s), CPU")
+
+
+def _eager_runner(model: nn.Module) -> Any:
+    def run(x: np.ndarray) -> None:
+        with torch.inference_mode():
+            model(torch.from_numpy(x))
+    return run
 
 
 def _raise(report: ExportReport) -> None:

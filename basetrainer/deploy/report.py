@@ -30,6 +30,9 @@ class ExportReport:
     checked_on: str
     rows: List[Row] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    # not saved: the check images and, for timing, eager PyTorch and each passing export's engine
+    inputs: Any = field(default=None, repr=False)
+    runners: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:

@@ -15,7 +15,8 @@ from conftest import make_image_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(ROOT, "basetrainer")
-HEAVY = ("tensorboard", "torch.utils.tensorboard", "nni", "torch_pruning", "matplotlib")
+HEAVY = ("tensorboard", "torch.utils.tensorboard", "nni", "torch_pruning", "matplotlib",
+         "onnx", "onnxruntime", "MNN", "ncnn", "pnnx", "openvino")
 
 # (module, attribute) of every name DESIGN.md §1 lists
 PUBLIC_NAMES = [

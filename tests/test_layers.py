@@ -23,6 +23,7 @@ LAYERS = {
     "basetrainer.callbacks": 3,
     "basetrainer.metric": 3,
     "basetrainer.scheduler": 3,
+    "basetrainer.evaluation": 3,   # per-sample outputs in dataset order, their files, the report
     "basetrainer.engine": 4,
     "basetrainer.pruning": 5,
     # export and deployment; the original's entry points under engine/ and utils/ belong to it

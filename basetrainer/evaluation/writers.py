@@ -1,0 +1,444 @@
+"""Per-sample outputs streamed to a ``.npz``, ``.pt`` or ``.csv`` file in bounded memory.
+
+A writer takes the outputs chunk by chunk, in dataset order (what
+:class:`~basetrainer.evaluation.ordered.OrderedCollector` yields), and holds about one chunk in
+memory, whatever the total:
+
+- ``.npz``: one ``<name>.npy`` member per output (:func:`numpy.load` reads it). Each output
+  is spooled to a raw file beside the target while it comes, and the archive is put together
+  at :meth:`~PredictionWriter.close` by copying the spool files into the zip members in 8 MB
+  pieces, after a ``.npy`` header of the final shape (``numpy.lib.format``);
+- ``.pt``: the file :func:`torch.save` would write for the same structure (a tensor, or
+  tuples/lists/dicts of tensors; ``{"outputs": ..., "ids": [...]}`` with ids), put together
+  the same way: the pickle of the structure, then each tensor's bytes, aligned so that
+  ``torch.load(path, weights_only=True, mmap=True)`` maps it;
+- ``.csv``: one row per sample, written as it comes: ``index`` (the sample's position in the
+  data set), ``id`` (when given, e.g. the image file), then one column per value (``logits_0``,
+  ``logits_1``, ...). Floats are written with enough digits to read back bit for bit
+  (float32: 9 significant digits, float64: 17).
+
+The file appears at its path only when complete (built under a temp name, then linked into
+place by the runtime's atomic writer): a failure or a kill leaves the previous file as it was.
+A full disk is a :class:`~basetrainer.runtime.atomic.DiskFullError` naming the folder.
+"""
+import collections
+import errno
+import io
+import os
+import pickle
+import struct
+import zipfile
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from basetrainer.evaluation.ordered import flatten, signature
+from basetrainer.runtime import atomic
+
+_PIECE = 8 << 20          # bytes copied at a time when the archive is put together
+_CSV_VALUES = 1 << 16     # values formatted at a time in a CSV chunk
+
+
+class PredictionWriter:
+    """Base of the writers: checks every chunk against the first (names, dtypes, row shapes),
+    counts the rows, and publishes the file atomically. Use :func:`open_writer`.
+
+    Use as a context manager (an exception inside leaves no file and no temp), or call
+    :meth:`write` then :meth:`close` (:meth:`abort` on failure).
+    """
+
+    suffix = ""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self.folder = os.path.dirname(self.path)
+        os.makedirs(self.folder, exist_ok=True)
+        self._remove_leftovers()
+        self.temp = atomic.temp_path(self.path + ".part")   # (temp_path(path) is the link's name)
+        self.spec: Any = None
+        self.sig: Optional[list] = None
+        self.rows = 0
+        self.ids: Optional[List[str]] = None
+        self.closed = False
+        self._temps: List[str] = [self.temp]
+
+    # ------------------------------------------------------------------ public
+    def write(self, outputs: Any, ids: Optional[Sequence[Any]] = None) -> None:
+        """Append a chunk of outputs (one row per sample, in dataset order).
+
+        Args:
+            outputs: a tensor, a numpy array, or tuples/lists/dicts of them.
+            ids: one name per sample (e.g. its file), given with every chunk or with none.
+
+        Raises:
+            ValueError: a chunk whose structure, dtypes or row shapes differ from the first,
+                or ids not one per sample.
+        """
+        if self.closed:
+            raise RuntimeError(f"the writer of {self.path} is closed")
+        named, spec = flatten(outputs)
+        n = len(next(iter(named.values())))
+        if ids is not None:
+            ids = [str(i) for i in ids]
+            if len(ids) != n:
+                raise ValueError(f"ids: {len(ids)} given for a chunk of {n} samples: give one id per sample")
+        if self.sig is None:
+            self.spec, self.sig = spec, signature(named)
+            self.ids = [] if ids is not None else None
+            self._guarded(lambda: self._begin(named))
+        elif signature(named) != self.sig:
+            raise ValueError(f"{os.path.basename(self.path)}: this chunk's outputs (names, dtype, row shape) "
+                             f"{signature(named)} differ from the first chunk's {self.sig}: the structure must "
+                             f"stay the same")
+        if (ids is None) != (self.ids is None):
+            raise ValueError("ids must be given with every chunk or with none")
+        named = {k: v.detach().cpu().contiguous() for k, v in named.items()}
+        self._guarded(lambda: self._write(named, ids, self.rows))
+        if ids is not None:
+            self.ids.extend(ids)
+        self.rows += n
+
+    def close(self) -> str:
+        """Finish the file and put it at its path; return the path."""
+        if self.closed:
+            return self.path
+        if self.sig is None:
+            self.abort()
+            raise ValueError(f"nothing was written to {self.path}: no outputs were given")
+        try:
+            self._guarded(self._finish)
+            self._publish()
+        finally:
+            self.abort()
+        return self.path
+
+    def abort(self) -> None:
+        """Remove the temp and spool files; the file at the path stays as it was."""
+        self.closed = True
+        self._release()
+        for path in self._temps:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "PredictionWriter":
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    # ------------------------------------------------------------------ helpers
+    def _remove_leftovers(self) -> None:
+        """Temp and spool files of a killed writer of this file (this machine, process gone)."""
+        prefix = f".{os.path.basename(self.path)}."
+        for path in atomic.stale_temps(self.folder):
+            if os.path.basename(path).startswith(prefix):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+
+    def _spool_path(self, k: int) -> str:
+        path = atomic.temp_path(f"{self.path}.{k}")
+        self._temps.append(path)
+        return path
+
+    def _guarded(self, fn: Any) -> None:
+        """Run ``fn``; a full disk becomes one DiskFullError naming the folder (temps removed)."""
+        try:
+            fn()
+        except OSError as e:
+            if atomic.space_error(e) is None:
+                self.abort()
+                raise
+            self.abort()
+            raise atomic.DiskFullError(errno.ENOSPC, f"no space left in {self.folder}: writing "
+                                                     f"{os.path.basename(self.path)} ({self.rows} rows so far); "
+                                                     f"the file at that path is left as it was") from None
+        except BaseException:
+            self.abort()
+            raise
+
+    def _publish(self) -> None:
+        try:
+            atomic.link_atomically(self.temp, self.path)
+        except OSError as e:
+            if atomic.space_error(e) is not None:
+                raise
+            with open(self.temp, "rb") as f:   # no hard links on this file system: a copy
+                atomic.write_atomically(f.read(), self.path)
+
+    # ------------------------------------------------------------------ per format
+    def _begin(self, named: Dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _write(self, named: Dict[str, torch.Tensor], ids: Optional[List[str]], start: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Close open files (before they are removed)."""
+
+
+def _close_quietly(f: Any) -> None:
+    """Close a file that is about to be removed (its unwritten buffer may not fit: no matter)."""
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor (no copy)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+class _Spooled(PredictionWriter):
+    """Each output's bytes go to its own raw file; :meth:`_finish` puts the archive together."""
+
+    def _begin(self, named: Dict[str, torch.Tensor]) -> None:
+        self.files = {}
+        for k, name in enumerate(named):
+            path = self._spool_path(k)
+            self.files[name] = (path, open(path, "wb"))
+
+    def _write(self, named: Dict[str, torch.Tensor], ids: Optional[List[str]], start: int) -> None:
+        for name, t in named.items():
+            self.files[name][1].write(_raw(t))
+
+    def _release(self) -> None:
+        for _, f in getattr(self, "files", {}).values():
+            _close_quietly(f)
+
+    def _flush(self) -> None:
+        for _, f in self.files.values():
+            f.close()
+
+    @staticmethod
+    def _copy(source: str, member: Any) -> None:
+        with open(source, "rb") as f:
+            while True:
+                piece = f.read(_PIECE)
+                if not piece:
+                    break
+                member.write(piece)
+
+    def _shape(self, name: str) -> tuple:
+        row = next(s for n, _, s in self.sig if n == name)
+        return (self.rows,) + tuple(row)
+
+
+class NpzWriter(_Spooled):
+    """``.npz``: one ``<name>.npy`` per output, plus ``ids.npy`` when ids were given."""
+
+    suffix = ".npz"
+
+    def _begin(self, named: Dict[str, torch.Tensor]) -> None:
+        for name, t in named.items():
+            if t.dtype == torch.bfloat16:
+                raise TypeError(f"output {name!r} is bfloat16, which numpy has no dtype for: cast it to "
+                                f"float32, or write a .pt file")
+        if self.ids is not None and "ids" in named:
+            raise ValueError("an output named 'ids' and ids given: rename the output")
+        super()._begin(named)
+
+    def _finish(self) -> None:
+        self._flush()
+        with zipfile.ZipFile(self.temp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+            for name, (path, _) in self.files.items():
+                dtype = torch.empty(0, dtype=next(getattr(torch, d.split(".")[-1]) for n, d, _ in self.sig
+                                                  if n == name)).numpy().dtype
+                header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                          "shape": self._shape(name)}
+                with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array_header_1_0(member, header)
+                    self._copy(path, member)
+            if self.ids is not None:
+                with z.open("ids.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.array(self.ids, dtype=str), allow_pickle=False)
+            fsync(z.fp)
+
+
+def fsync(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------- .pt
+class _Storage:
+    """Stands for a tensor's storage in the pickle (its bytes are the record ``data/<key>``)."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Tensor:
+    """Pickles as torch pickles a contiguous tensor: ``_rebuild_tensor_v2(storage, ...)``."""
+
+    def __init__(self, storage: _Storage, shape: tuple) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self) -> Any:
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= max(size, 1)
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+
+def _build(spec: Any, tensors: Dict[str, _Tensor]) -> Any:
+    kind = spec[0]
+    if kind == "tensor":
+        return tensors[spec[1]]
+    if kind == "dict":
+        return {k: _build(s, tensors) for k, s in spec[1]}
+    items = [_build(s, tensors) for s in spec[1]]
+    return tuple(items) if kind == "tuple" else items
+
+
+class TorchWriter(_Spooled):
+    """``.pt``: what ``torch.save`` writes for the outputs' structure (``{"outputs": ...,
+    "ids": [...]}`` with ids); loads with ``weights_only=True`` and ``mmap=True``."""
+
+    suffix = ".pt"
+    ALIGN = 64
+
+    def _finish(self) -> None:
+        self._flush()
+        tensors, storages = {}, []
+        for k, (name, dtype, row) in enumerate(self.sig):
+            dt = getattr(torch, dtype.split(".")[-1])
+            shape = (self.rows,) + tuple(row)
+            numel = int(np.prod(shape, dtype=np.int64))
+            storage = _Storage(str(k), dt, numel)
+            storages.append((storage, self.files[name][0]))
+            tensors[name] = _Tensor(storage, shape)
+        obj = _build(self.spec, tensors)
+        if self.ids is not None:
+            obj = {"outputs": obj, "ids": self.ids}
+        data = io.BytesIO()
+        _Pickler(data, protocol=2).dump(obj)
+        prefix = "archive"
+        with zipfile.ZipFile(self.temp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+            z.writestr(f"{prefix}/data.pkl", data.getvalue())
+            z.writestr(f"{prefix}/.format_version", "1")
+            z.writestr(f"{prefix}/.storage_alignment", str(self.ALIGN))
+            z.writestr(f"{prefix}/byteorder", "little")
+            for storage, path in storages:
+                name = f"{prefix}/data/{storage.key}"
+                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+                info.compress_type = zipfile.ZIP_STORED
+                info.extra = self._padding(z.fp.tell(), name)
+                with z.open(info, "w", force_zip64=True) as member:
+                    self._copy(path, member)
+            z.writestr(f"{prefix}/version", "3\n")
+            fsync(z.fp)
+
+    def _padding(self, offset: int, name: str) -> bytes:
+        """An extra field that puts the member's data at a multiple of ALIGN: a local header
+        is 30 bytes, the name, the extra field, and zipfile's 20-byte zip64 field."""
+        start = offset + 30 + len(name.encode()) + 20 + 4    # 4: our field's own header
+        pad = (-start) % self.ALIGN
+        return struct.pack("<HH", 0x4642, pad) + b"\0" * pad   # "FB": the id torch pads with
+
+
+# ----------------------------------------------------------------------------- .csv
+def _cell(text: str) -> str:
+    if any(c in text for c in ',"\n\r'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def _format_of(dtype: torch.dtype) -> str:
+    if dtype == torch.float64:
+        return "%.17g"
+    if dtype.is_floating_point:
+        return "%.9g"   # float32 (half and bfloat16 widen to it exactly) reads back bit for bit
+    if dtype.is_complex:
+        raise TypeError("complex outputs cannot be written to CSV: write .npz or .pt")
+    return "%d"
+
+
+class CsvWriter(PredictionWriter):
+    """``.csv``: ``index``, ``id`` (with ids), then one column per value, row by row."""
+
+    suffix = ".csv"
+
+    def _begin(self, named: Dict[str, torch.Tensor]) -> None:
+        columns = ["index"] + (["id"] if self.ids is not None else [])
+        formats = []
+        for name, t in named.items():
+            width = int(np.prod(t.shape[1:], dtype=np.int64))
+            fmt = _format_of(t.dtype)
+            if t.dim() == 1:
+                columns.append(name)
+            else:
+                columns += [f"{name}_{j}" for j in range(width)]
+            formats += [fmt] * width
+        self.format = ",".join(formats)
+        self.file = open(self.temp, "w", encoding="utf-8", newline="")
+        self.file.write(",".join(_cell(c) for c in columns) + "\n")
+
+    def _write(self, named: Dict[str, torch.Tensor], ids: Optional[List[str]], start: int) -> None:
+        arrays = []
+        for t in named.values():
+            t = t.reshape(len(t), -1)
+            if t.dtype in (torch.float16, torch.bfloat16):
+                t = t.float()
+            arrays.append(t.numpy())
+        n = len(arrays[0])
+        width = sum(a.shape[1] for a in arrays) or 1
+        step = max(1, _CSV_VALUES // width)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            rows = [sum((a[i].tolist() for a in arrays), []) for i in range(lo, hi)]
+            lines = []
+            for i, values in zip(range(lo, hi), rows):
+                head = f"{start + i}," + (_cell(ids[i]) + "," if ids is not None else "")
+                lines.append(head + self.format % tuple(values))
+            self.file.write("\n".join(lines) + "\n")
+
+    def _finish(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+    def _release(self) -> None:
+        f = getattr(self, "file", None)
+        if f is not None:
+            _close_quietly(f)
+
+
+FORMATS = {".npz": NpzWriter, ".pt": TorchWriter, ".csv": CsvWriter}
+
+
+def open_writer(path: str, format: Optional[str] = None) -> PredictionWriter:
+    """A writer for ``path``, of the format its suffix names (or ``format``: npz, pt, csv).
+
+    Raises:
+        ValueError: an unknown format (the valid ones are named).
+    """
+    key = ("." + format.lstrip(".").lower()) if format else os.path.splitext(str(path))[1].lower()
+    if key not in FORMATS:
+        raise ValueError(f"output={path!r}: cannot write {key or 'a file without a suffix'!r}; name a "
+                         f"{', '.join(FORMATS)} file (or give format=)")
+    return FORMATS[key](path)

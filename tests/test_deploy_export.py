@@ -222,3 +222,22 @@ def test_latency_rows_interleaved_with_eager(tmp_path):
         assert row.latency["batch 1"]["q1_ms"] <= row.latency["batch 1"]["median_ms"] <= row.latency["batch 1"]["q3_ms"]
     table = (tmp_path / "m.export.md").read_text()
     assert "| pytorch | PyTorch (eager) |" in table and "batch 4 ms (IQR)" in table
+
+
+def test_exporter_choice_and_engine_quantization_on_load(tmp_path):
+    from basetrainer.deploy.onnx_format import pick_exporter
+    from basetrainer.engine.onnx_engine import ONNXEngine
+
+    assert [pick_exporter("auto", o) for o in (None, 11, 17, 18)] == ["dynamo", "torchscript", "torchscript", "dynamo"]
+    with pytest.raises(ValueError, match="writes opset 18 or later, not 11: use exporter='torchscript'"):
+        pick_exporter("dynamo", 11)
+    model, x = small_net(), images(24)
+    export_model(model, "onnx", out_dir=str(tmp_path), input_size=[SIZE, SIZE], check=x, runs=0, name="m")
+    path, ref = str(tmp_path / "m.onnx"), eager(model, x)
+    with pytest.raises(ValueError, match=r"quant=2\) quantizes the model to int8 and needs calibration images"):
+        ONNXEngine(path, use_gpu=False, quant=2)
+    int8 = ONNXEngine(path, use_gpu=False, quant=2, calibration=x)          # quantized in memory
+    half = ONNXEngine(path, use_gpu=False, quant=1, simplify=True)
+    assert 0 < np.abs(int8(x)[0] - ref).max() < 0.1 * np.abs(ref).max()
+    assert 0 < np.abs(half(x)[0] - ref).max() <= 1e-2 * np.abs(ref).max()
+    assert sorted(os.listdir(tmp_path)) == ["m.export.json", "m.export.md", "m.onnx"]   # nothing written beside

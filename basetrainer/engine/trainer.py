@@ -127,8 +127,8 @@ class EngineTrainer(Engine):
             dataset = getattr(self.train_loader, "dataset", None)
             self.num_samples = len(dataset) if dataset is not None else self.num_steps * cfg.batch_size
             data.check_equal_lengths(self.train_loader)
-        with sharding.construction(self.cfg):   # fsdp: ranks but 0 build on the meta device
-            self.model = self.build_model(cfg, **kwargs)
+        # fsdp: ranks but 0 build on the meta device where the model allows (fsdp_meta_init)
+        self.model = sharding.construct(self.cfg, lambda: self.build_model(cfg, **kwargs))
         self.criterion = self.build_criterion(cfg, **kwargs)
         self.optimizer = self.build_optimizer(cfg, **kwargs)
         if self.model is None:

@@ -2,17 +2,20 @@
 
 Every process holds 1/world of the parameters, their gradients and the optimizer state; a
 block's full parameters exist only while it runs (``torch.distributed.fsdp.fully_shard``).
-The ranks other than 0 build the model on the ``meta`` device (no memory); rank 0 builds it as
-in a single-process run (so the initial weights are those of that run), and after sharding its
-weights are scattered into every rank's shard. Gradients are averaged like DDP's, so the loss
-weighting of :mod:`basetrainer.engine.steps` makes an FSDP run equal to the one-process run.
+Rank 0 builds the model as in a single-process run (so the initial weights are those of that
+run), and after sharding its weights and buffers are scattered into every rank. The other ranks
+first try to build it on the ``meta`` device (no memory, ``fsdp_meta_init: auto``); a constructor
+that needs real values there (``tensor.item()``, ``.tolist()``, a plain tensor attribute) is built
+again normally on that rank, with an info line saying why (:func:`construct`). Gradients are
+averaged like DDP's, so the loss weighting of :mod:`basetrainer.engine.steps` makes an FSDP run
+equal to the one-process run.
 """
 import contextlib
 import ctypes
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -43,21 +46,97 @@ def strategy_of(cfg: Any) -> str:
     return value
 
 
-@contextlib.contextmanager
-def construction(cfg: Any) -> Iterator[None]:
-    """Where ``build_model`` runs: with ``strategy: fsdp`` in a process group, the ranks other
-    than 0 build on the ``meta`` device (shapes only, no memory); rank 0 builds normally."""
-    if strategy_of(cfg) == "fsdp" and comm.is_dist() and comm.get_rank() != 0:
+META_INIT = ("auto", "true", "false")
+
+
+def meta_init(cfg: Any) -> Union[str, bool]:
+    """The config's ``fsdp_meta_init``: ``"auto"`` (default), True or False, checked.
+
+    Raises:
+        ValueError: any other value (the key, the value and the choices are named).
+    """
+    value = cfg.get("fsdp_meta_init", "auto") if cfg is not None and hasattr(cfg, "get") else "auto"
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in META_INIT:
+        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
+    raise ValueError(f"config key 'fsdp_meta_init' = {value!r} must be auto, true or false (auto: ranks other "
+                     f"than 0 build the model on the meta device, and normally where its constructor needs real "
+                     f"values; true: always on meta; false: every rank builds the whole model)")
+
+
+class _Attempt:
+    """This process's meta-device attempt at building the model (ranks other than 0)."""
+
+    on_meta = False                  # build_model is running on the meta device
+    talking = False                  # shard() began its collectives: too late to build again
+    normal_because: Optional[str] = None   # why this rank built normally (rank 0 reports it)
+
+
+class _NotMetaSafe(RuntimeError):
+    """A model built on meta that would fail later (a plain tensor attribute left on meta)."""
+
+
+def construct(cfg: Any, build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` (the trainer's ``build_model``) where ``strategy: fsdp`` wants it.
+
+    Rank 0, and every rank of other strategies, builds normally. With ``fsdp`` the other ranks
+    build on the ``meta`` device (shapes only, no memory; their weights come from rank 0) as
+    ``fsdp_meta_init`` says: ``auto`` tries meta and builds again normally when the constructor
+    fails there (it read a tensor's value, as timm's drop-path rates do) or leaves a plain tensor
+    attribute on meta; ``true`` makes that an error; ``false`` builds normally at once.
+
+    Raises:
+        ValueError: ``fsdp_meta_init: true`` and the model cannot be built on meta.
+    """
+    if strategy_of(cfg) != "fsdp" or not comm.is_dist() or comm.get_rank() == 0:
+        return build()
+    mode = meta_init(cfg)
+    _Attempt.talking, _Attempt.normal_because = False, None
+    if mode is False:
+        _Attempt.normal_because = "fsdp_meta_init: false"
+        return build()
+    try:
+        _Attempt.on_meta = True
         with torch.device("meta"):
-            yield
-    else:
-        yield
+            return build()
+    except Exception as e:
+        if _Attempt.talking:   # failed after the ranks began sharding together: building again would desync
+            raise
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if mode is True:
+            raise ValueError(f"config key 'fsdp_meta_init' = true: rank {comm.get_rank()} could not build the "
+                             f"model on the meta device ({reason}); its constructor needs real tensor values. Set "
+                             f"fsdp_meta_init: auto (build normally where meta fails) or false (every rank builds "
+                             f"the whole model), or make the constructor meta-safe") from e
+    finally:
+        _Attempt.on_meta = False
+    _Attempt.normal_because = reason
+    logger.info("strategy: fsdp: rank %d builds the model normally, not on the meta device (%s): it holds the "
+                "whole model in host memory once while it is built. Its weights are still rank 0's. "
+                "fsdp_meta_init: false skips the meta attempt", comm.get_rank(), reason)
+    return build()
+
+
+def _meta_attributes(model: nn.Module) -> List[str]:
+    """Tensors on the meta device held as plain attributes (neither parameter nor buffer):
+    sharding would never give them values."""
+    found = []
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in values):
+                found.append(f"{name}.{attr}" if name else attr)
+    return found
 
 
 def check_config(cfg: Any, device: torch.device, amp: str) -> None:
     """The clear, early errors of ``strategy: fsdp``."""
     if strategy_of(cfg) != "fsdp":
         return
+    meta_init(cfg)
     if amp == "fp16":
         raise ValueError("amp: fp16 needs a GradScaler, which FSDP2 does not support: use amp: bf16 with "
                          "strategy: fsdp (or amp: fp16 with strategy: ddp)")
@@ -162,15 +241,24 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     from torch.distributed.fsdp import fully_shard
 
     amp = str(cfg.get("amp") or "none").lower()
+    if _Attempt.on_meta:
+        plain = _meta_attributes(model)
+        if plain:   # before any collective: construct() can still build again
+            raise _NotMetaSafe(f"plain tensor attributes {plain[:5]} stay on the meta device (sharding gives "
+                               f"values to parameters and buffers only; register them as buffers)")
     if device.type == "cpu":
         _return_freed_blocks()
     blocks = blocks_to_wrap(model, cfg.get("fsdp_wrap") or None, policy)
     ties = _tied(model, blocks)
+    shared_buffers = _shared_buffers(model)
     full = _full_weights(model) if comm.get_rank() == 0 else None
     model.to(torch.device("meta"))   # rank 0 too: the weights come back as shards, one tensor at a time
     _retie(model, ties)              # .to() made one parameter of each name
+    _retie_buffers(model, shared_buffers)
     if cfg.get("activation_checkpointing"):
         _checkpoint_activations(model, blocks)
+    _Attempt.talking = True
+    _report_normal_builds()
     mesh = init_device_mesh(device.type, (comm.get_world_size(),))
     options = dict(mesh=mesh, reshard_after_forward=bool(cfg.get("reshard_after_forward", True)))
     policy_mp = _mixed_precision(amp, device)
@@ -180,8 +268,21 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
         fully_shard(block, **options)
     fully_shard(model, **options)
     model.to_empty(device=device)
+    _retie_buffers(model, shared_buffers)   # to_empty made one buffer of each name
     _scatter_from_rank0(model, full, device)
     return model
+
+
+def _report_normal_builds() -> None:
+    """Rank 0 says which ranks built the whole model instead of on meta, and why (the others
+    log warnings only)."""
+    reasons = comm.all_gather_object(_Attempt.normal_because) if comm.get_world_size() > 1 else [None]
+    _Attempt.normal_because = None
+    built = {rank: why for rank, why in enumerate(reasons) if rank > 0 and why}
+    if built and comm.get_rank() == 0:
+        first = next(iter(built.values()))
+        logger.info("strategy: fsdp: rank(s) %s built the whole model, not on the meta device (%s); the weights "
+                    "are rank 0's. See fsdp_meta_init", sorted(built), first)
 
 
 MMAP_THRESHOLD = 1 << 20
@@ -235,6 +336,26 @@ def _retie(model: nn.Module, ties: List[List[str]]) -> None:
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attr, shared)
+
+
+def _shared_buffers(model: nn.Module) -> List[List[str]]:
+    """Names of the buffers registered in several modules (one mask or positional table in
+    every block), one list per buffer. Buffers are not sharded, so any placement is fine."""
+    groups: Dict[int, List[str]] = {}
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(buf), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie_buffers(model: nn.Module, shared: List[List[str]]) -> None:
+    """Make every name of a shared buffer hold one tensor again (``.to()`` and ``to_empty``
+    give each module its own copy)."""
+    for names in shared:
+        owner, _, attr = names[0].rpartition(".")
+        tensor = (model.get_submodule(owner) if owner else model)._buffers[attr]
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            (model.get_submodule(owner) if owner else model)._buffers[attr] = tensor
 
 
 def _full_weights(model: nn.Module) -> dict:

@@ -111,6 +111,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
                               "repeated blocks)"),
     "reshard_after_forward": (True, "bool", "fsdp: free a block's gathered parameters after its forward"),
     "activation_checkpointing": (False, "bool", "fsdp: recompute the sharded blocks' activations in the backward"),
+    "fsdp_meta_init": ("auto", "autobool", "fsdp: ranks other than 0 build the model on the meta device: auto "
+                                           "(built normally where its constructor needs real values), true, false"),
     "loss_in_replica": (False, "bool", "DataParallel: each replica computes its own loss (less memory on GPU 0)"),
     "start_save": (0, "optint", "ModelCheckpoint: 0 = best + last only; N = per-epoch files from epoch N; "
                                 "None/-1 = the last 10"),
@@ -139,6 +141,8 @@ _CHECKS = {
     "optint": (lambda v: v is None or _is_int(v), "an integer or null"),
     "number": (lambda v: (_is_int(v) or isinstance(v, float)), "a number"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "autobool": (lambda v: isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("auto", "true", "false")),
+                 "auto, true or false"),
     "ints": (lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v), "a list of integers"),
     "size": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x) and x > 0 for x in v),
              "two positive integers [W, H]"),

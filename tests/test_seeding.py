@@ -43,7 +43,7 @@ def test_every_item_is_drawn_from_generators_seeded_by_its_key(fresh):
     keys = [(i, 3) for i in reversed(range(30))]           # any order: the draws depend on the key only
     got = data.__getitems__(keys)
     assert got == [reference(i, 3) for i, _ in keys]
-    assert seeding._generators().seeded == {"numpy": True, "python": True}   # both were seen in use
+    assert seeding._generators().seeded == {"torch": True, "numpy": True, "python": True}   # all seen in use
 
 
 def test_a_pipeline_drawing_from_torch_only_seeds_torch_only(fresh):
@@ -56,7 +56,7 @@ def test_a_pipeline_drawing_from_torch_only_seeds_torch_only(fresh):
 
     data = seeding.SeededDataset(TorchOnly(), seed=7)
     data.__getitems__([(i, 0) for i in range(10)])
-    assert seeding._generators().seeded == {"numpy": False, "python": False}
+    assert seeding._generators().seeded == {"torch": True, "numpy": False, "python": False}
 
 
 def test_the_main_process_keeps_its_own_draws(fresh):
@@ -75,3 +75,87 @@ def test_the_generators_can_be_watched_here():
     # where they cannot, they are seeded for every sample (slower, as exact): say which way it runs
     generators = seeding._Generators()
     assert all(watch is not None for watch in generators.watches.values())
+
+
+def test_generators_first_used_inside_a_batch_are_seeded_for_its_earlier_items_too(fresh):
+    data = seeding.SeededDataset(Mixed(), seed=7)
+    keys = [(i, 1) for i in range(30)]          # python's is first used by item 2, numpy's by item 4
+    assert data.__getitems__(keys) == [reference(i, 1) for i, _ in keys]
+
+
+class Nothing(Dataset):
+    """An in-memory data set: draws from no generator; reports torch's initial seed."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.initial_seed()
+
+
+def test_a_data_set_that_draws_nothing_seeds_nothing_yet_sees_its_sample_seed(fresh):
+    data = seeding.SeededDataset(Nothing(), seed=7)
+    got = data.__getitems__([(i, 2) for i in range(10)])
+    assert got == [seeding.sample_seed(7, 2, i) for i in range(10)]    # torch.initial_seed() is the sample's
+    assert seeding._generators().seeded == {"torch": False, "numpy": False, "python": False}
+
+
+def test_a_generator_made_from_torch_initial_seed_draws_as_documented(fresh):
+    class OwnRng(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return float(np.random.default_rng(torch.initial_seed()).random())
+
+    got = seeding.SeededDataset(OwnRng(), seed=7).__getitems__([(i, 4) for i in range(10)])
+    assert got == [float(np.random.default_rng(seeding.sample_seed(7, 4, i)).random()) for i in range(10)]
+
+
+class Gaussians(Dataset):
+    """Gaussian draws of every generator (each caches a second value)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return float(torch.randn(())) + random.gauss(0, 1) + float(np.random.standard_normal())
+
+
+def test_the_main_process_keeps_its_cached_gaussians_too(fresh):
+    def main_draws():
+        return float(torch.randn(())), random.gauss(0, 1), float(np.random.standard_normal())
+
+    def seed_and_cache():
+        torch.manual_seed(3)
+        random.seed(3)
+        np.random.seed(3)
+        main_draws()          # each generator now holds a cached second gaussian
+
+    seed_and_cache()
+    expected = main_draws()
+    seed_and_cache()
+    seeding.SeededDataset(Gaussians(), seed=7).__getitems__([(i, 0) for i in range(8)])   # seen in use here
+    assert main_draws() == expected
+    seed_and_cache()
+    seeding.SeededDataset(Gaussians(), seed=7).__getitems__([(i, 1) for i in range(8)])   # seeded throughout
+    assert main_draws() == expected
+
+
+def test_generators_that_cannot_be_watched_are_seeded_for_every_item(fresh, monkeypatch):
+    monkeypatch.setattr(seeding, "_round_trips", lambda *args: False)   # as on a build of other layout
+    generators = seeding._generators()
+    assert generators.seeded == {"torch": True, "numpy": True, "python": True}
+    assert all(g.regions == () or g.mark is None for g in generators.all)
+    keys = [(i, 5) for i in range(30)]
+    want = [reference(i, 5) for i, _ in keys]
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    expected_main = (float(torch.rand(())), random.random(), float(np.random.rand()))
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    got = seeding.SeededDataset(Mixed(), seed=7).__getitems__(keys)
+    assert (float(torch.rand(())), random.random(), float(np.random.rand())) == expected_main
+    assert got == want

@@ -21,9 +21,10 @@ Not seeded: CUDA generators (a data set that draws on the GPU is rare; seed it f
 ``torch.initial_seed()`` yourself) and generators a data set keeps of its own.
 """
 import ctypes
+import functools
 import operator
 import random
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -31,7 +32,6 @@ from torch.utils.data import Dataset
 
 _MASK = 0x7FFFFFFFFFFFFFFF
 _MT_BYTES = 624 * 4           # a Mersenne Twister's state words
-_VALUE = operator.attrgetter("value")
 _Region = Tuple[int, int]     # (address, bytes)
 # torch's CPU generator from its seed_: seed_ u64, left_ i32, seeded_ (+3), next_ u32, state_
 # u32[624], optional<float> (8 bytes), 4 bytes to align, optional<double> (16 bytes)
@@ -49,33 +49,35 @@ class _Generator:
     Attributes:
         name: ``torch``, ``numpy`` or ``python``.
         seed: seeds it from a sample's seed.
-        mark: 8 bytes of its state that every draw changes (read in place), or None where it
-            cannot be watched (then it is seeded for every item).
-        regions: ``(address, bytes)`` spans that hold its whole state, copied in place to save
-            and put back (empty: saved through its own get/set functions).
+        readers: zero-argument C callables (``functools.partial``) reading, in place, values that
+            change with every draw (its position, a state word, its cached gaussian); empty where
+            it cannot be watched (then it is seeded for every item and saved through
+            ``get``/``put``, its own functions).
+        regions: ``(address, bytes)`` spans that hold its whole state, copied in place.
+        extra: a ``(get, put)`` pair for state kept outside them (python's cached gaussian).
+        initial_seed: torch's initial seed, written for every item.
     """
 
-    def __init__(self, name: str, seed: Callable[[int], None], mark: Optional[ctypes.c_uint64],
-                 regions: Tuple[_Region, ...], get: Callable[[], Any], put: Callable[[Any], None],
-                 extra: Optional[Tuple[Callable[[], Any], Callable[[Any], None]]] = None) -> None:
-        self.name, self.seed, self.mark, self.regions = name, seed, mark, regions
-        self._get, self._put, self._extra = get, put, extra
-        self._views = [memoryview((ctypes.c_uint8 * n).from_address(a)).cast("B") for a, n in regions]
+    def __init__(self, name: str, seed: Callable[[int], None], get: Callable[[], Any], put: Callable[[Any], None],
+                 readers: Tuple[Callable[[], Any], ...] = (), regions: Tuple[_Region, ...] = (),
+                 extra: Optional[Tuple[Callable[[], Any], Callable[[Any], None]]] = None,
+                 initial_seed: Optional[ctypes.c_uint64] = None) -> None:
+        self.name, self.seed, self.get, self.put = name, seed, get, put
+        self.readers, self.regions, self.extra, self.initial_seed = readers, regions, extra, initial_seed
+        self.views = [memoryview((ctypes.c_uint8 * n).from_address(a)).cast("B") for a, n in regions]
 
-    def save(self) -> Any:
-        if not self._views:
-            return self._get()
-        return [bytes(v) for v in self._views], (self._extra[0]() if self._extra else None)
+    def fingerprint(self) -> Tuple[Any, ...]:
+        return tuple(map(operator.call, self.readers))
 
-    def restore(self, state: Any) -> None:
-        if not self._views:
-            self._put(state)
-            return
-        copied, extra = state
-        for view, data in zip(self._views, copied):
-            view[:] = data
-        if self._extra:
-            self._extra[1](extra)
+    def copy(self) -> Tuple[List[bytes], Any]:
+        return [bytes(v) for v in self.views], (self.extra[0]() if self.extra else None)
+
+    def put_back(self, copied: Tuple[List[bytes], Any]) -> None:
+        data, extra = copied
+        for view, part in zip(self.views, data):
+            view[:] = part
+        if self.extra:
+            self.extra[1](extra)
 
 
 def _round_trips(regions: Tuple[_Region, ...], get: Callable[[], Any], draw: Callable[[], Any]) -> bool:
@@ -110,42 +112,60 @@ def _torch_layout(g: torch.Generator) -> Optional[int]:
     return impl + at - 20 if at >= 20 else None
 
 
+def _read(obj: Any, name: str = "value") -> Callable[[], Any]:
+    """A C callable reading ``obj.<name>``."""
+    return functools.partial(getattr, obj, name)
+
+
+def _words_at(address: int, size: int) -> Tuple[Callable[[], int], ...]:
+    """C callables reading the ``size`` bytes at ``address`` as 8-byte words."""
+    return tuple(_read(ctypes.c_uint64.from_address(address + i)) for i in range(0, size, 8))
+
+
+def _torch_fields(base: int) -> Tuple[ctypes.c_uint64, Tuple[Callable[[], Any], ...]]:
+    """The seed field and the readers of a CPU generator whose data starts at ``base``: next_ and
+    state_[0], and the cached normal samples."""
+    return (ctypes.c_uint64.from_address(base),
+            (_read(ctypes.c_uint64.from_address(base + 16)),) + _words_at(base + _TORCH_BYTES - 32, 32))
+
+
 def _torch_generator() -> _Generator:
     g = torch.default_generator
-    fallback = _Generator("torch", g.manual_seed, None, (), g.get_state, g.set_state)
+    fallback = _Generator("torch", g.manual_seed, g.get_state, g.set_state)
     try:
         probe = torch.Generator()                   # the layout, checked on a generator of its own
         probe.manual_seed(12345)
-        torch.randn(3, generator=probe)
+        torch.randn(3, generator=probe)             # a normal cached
         base = _torch_layout(probe)
         if base is None:
             return fallback
         offset = base - ctypes.c_void_p.from_address(id(probe) + 16).value
-        seed_field = ctypes.c_uint64.from_address(base)
-        mark = ctypes.c_uint64.from_address(base + 16)       # next_, state_[0]
-
-        def expected(gen: torch.Generator) -> Tuple[int, int]:
-            raw = gen.get_state().numpy().tobytes()
-            return (int(np.frombuffer(raw, np.uint64, 1, 0)[0]),
-                    int(np.frombuffer(raw, np.uint64, 1, 16)[0]) | int(np.frombuffer(raw, np.uint64, 1, 24)[0]) << 32)
-
-        region = ((base, _TORCH_BYTES),)
         if not _inside_allocation(base - offset, offset + _TORCH_BYTES):
             return fallback
-        before = mark.value
-        if (seed_field.value, mark.value) != expected(probe) or not _round_trips(
-                region, probe.get_state, lambda: (torch.randn(1, generator=probe), torch.rand(5, generator=probe))):
-            return fallback
-        torch.rand(1, generator=probe)
-        if mark.value == before or (seed_field.value, mark.value) != expected(probe):
+        seed_field, readers = _torch_fields(base)
+
+        def fingerprint() -> Tuple[Any, ...]:
+            return tuple(map(operator.call, readers))
+
+        def expected(gen: torch.Generator) -> Tuple[int, int]:
+            raw = np.frombuffer(gen.get_state().numpy().tobytes(), np.uint64, 4)   # seed, left|seeded, next, state[0]
+            return int(raw[0]), int(raw[2]) | int(raw[3]) << 32
+
+        def seen() -> Tuple[int, int]:
+            return seed_field.value, fingerprint()[0]
+
+        before = fingerprint()
+        torch.randn(1, generator=probe)             # the cached normal used: no word drawn
+        if fingerprint() == before or seen() != expected(probe) or not _round_trips(
+                ((base, _TORCH_BYTES),), probe.get_state,
+                lambda: (torch.randn(1, generator=probe), torch.rand(5, generator=probe))):
             return fallback
         base = ctypes.c_void_p.from_address(id(g) + 16).value + offset
-        generator = _Generator("torch", g.manual_seed, ctypes.c_uint64.from_address(base + 16),
-                               ((base, region[0][1]),), g.get_state, g.set_state)
-        if (ctypes.c_uint64.from_address(base).value, generator.mark.value) != expected(g):
+        seed_field, readers = _torch_fields(base)
+        if seen() != expected(g):
             return fallback
-        generator.initial_seed = ctypes.c_uint64.from_address(base)  # type: ignore[attr-defined]
-        return generator
+        return _Generator("torch", g.manual_seed, g.get_state, g.set_state, readers, ((base, _TORCH_BYTES),),
+                          initial_seed=seed_field)
     except Exception:  # another build: seeded for every item, saved through get_state
         return fallback
 
@@ -163,7 +183,7 @@ def _numpy_gauss(rs: np.random.RandomState) -> Optional[int]:
 
 def _numpy_generator() -> _Generator:
     rs = np.random.mtrand._rand  # type: ignore[attr-defined]
-    fallback = _Generator("numpy", lambda s: np.random.seed(s & 0xFFFFFFFF), None, (), np.random.get_state,
+    fallback = _Generator("numpy", lambda s: np.random.seed(s & 0xFFFFFFFF), np.random.get_state,
                           np.random.set_state)
     try:
         probe = np.random.RandomState(0)
@@ -174,82 +194,115 @@ def _numpy_generator() -> _Generator:
             return fallback
         offset = gauss - id(probe)
         address = probe._bit_generator.ctypes.state_address   # key u32[624], pos i32
-        regions = ((address, _MT_BYTES + 4), (gauss, 16))
-        if not _round_trips(regions, probe.get_state, lambda: probe.standard_normal(3)):
+        if not _round_trips(((address, _MT_BYTES + 4), (gauss, 16)), probe.get_state,
+                            lambda: probe.standard_normal(3)):
             return fallback
-        address = rs._bit_generator.ctypes.state_address
-        gauss = id(rs) + offset
+        address, gauss = rs._bit_generator.ctypes.state_address, id(rs) + offset
         mark = ctypes.c_uint64.from_address(address + _MT_BYTES - 4)   # key[623], pos
-        _, keys, pos, has_gauss, cached = rs.get_state()
+        _, keys, pos, has_gauss, value = rs.get_state()
         if (mark.value != int(keys[623]) | int(pos) << 32 or _numpy_gauss(rs) != gauss
                 or (ctypes.c_int.from_address(gauss).value, ctypes.c_double.from_address(gauss + 8).value)
-                != (has_gauss, cached)):
+                != (has_gauss, value)):
             return fallback
-        return _Generator("numpy", fallback.seed, mark, ((address, _MT_BYTES + 4), (gauss, 16)),
-                          np.random.get_state, np.random.set_state)
+        return _Generator("numpy", fallback.seed, np.random.get_state, np.random.set_state,
+                          (_read(mark),) + _words_at(gauss, 16), ((address, _MT_BYTES + 4), (gauss, 16)))
     except Exception:
         return fallback
 
 
 def _python_generator() -> _Generator:
     inst = random._inst  # type: ignore[attr-defined]
-    fallback = _Generator("python", random.seed, None, (), random.getstate, random.setstate)
+    fallback = _Generator("python", random.seed, random.getstate, random.setstate)
     try:
         probe = random.Random(0)          # CPython's generator object: the position, then the words
-        region = ((id(probe) + 16, 4 + _MT_BYTES),)
-        if not _round_trips(region, probe.getstate, lambda: probe.random()):
+        if not _round_trips(((id(probe) + 16, 4 + _MT_BYTES),), probe.getstate, lambda: probe.random()):
             return fallback
         base = id(inst)
-        mark = ctypes.c_uint64.from_address(base + 16)     # position, state[0]
+        mark = ctypes.c_uint64.from_address(base + 16)                  # position, state[0]
+        last = ctypes.c_uint32.from_address(base + 16 + _MT_BYTES)      # state[623]
         _, state, _ = random.getstate()
-        if mark.value != state[-1] | state[0] << 32:
+        if mark.value != state[-1] | state[0] << 32 or last.value != state[623]:
             return fallback
 
         def put_gauss(value: Any) -> None:
             inst.gauss_next = value
 
-        return _Generator("python", random.seed, mark, ((base + 16, 4 + _MT_BYTES),), random.getstate,
-                          random.setstate, (lambda: inst.gauss_next, put_gauss))
+        return _Generator("python", random.seed, random.getstate, random.setstate,
+                          (_read(mark), _read(last), _read(inst, "gauss_next")), ((base + 16, 4 + _MT_BYTES),),
+                          (_read(inst, "gauss_next"), put_gauss))
     except Exception:  # another interpreter: seeded for every item
         return fallback
 
 
 class _Generators:
-    """This process's global generators, and which of them items were seen to use."""
+    """This process's global generators, and which of them items were seen to use.
+
+    One *stamp* (a tuple read by C callables only) holds every watched generator's readers,
+    those not yet seeded first, then torch's initial seed: comparing two stamps tells whether a
+    batch drew from a generator not yet seeded, and whether a generator changed since its state
+    was last copied.
+    """
 
     def __init__(self) -> None:
         self.all = (_torch_generator(), _numpy_generator(), _python_generator())
-        self.watches = {g.name: g.mark for g in self.all}   # None: cannot be watched, seeded every item
-        self.seeded = {g.name: g.mark is None for g in self.all}
+        self.watches = {g.name: g.readers or None for g in self.all}   # None: cannot be watched
+        self.seeded = {g.name: not g.readers for g in self.all}
+        self._others = tuple(g for g in self.all if not g.readers)     # saved through get/put
+        self._copied: Optional[Tuple[Tuple[Any, ...], List[Any]]] = None   # (stamp, copies) of the last copy
         self._update()
 
     def _update(self) -> None:
         self.seeders = tuple(g.seed for g in self.all if self.seeded[g.name])
         self.watched = tuple(g for g in self.all if not self.seeded[g.name])
         torch_generator = self.all[0]
-        self.initial_seed = getattr(torch_generator, "initial_seed", None) if not self.seeded["torch"] else None
+        self.initial_seed = None if self.seeded["torch"] else torch_generator.initial_seed
+        order = self.watched + tuple(g for g in self.all if self.seeded[g.name] and g.readers)
+        readers: List[Callable[[], Any]] = []
+        self._parts: List[Tuple[_Generator, slice]] = []
+        for g in order:
+            self._parts.append((g, slice(len(readers), len(readers) + len(g.readers))))
+            readers += g.readers
+        self._watched_end = sum(len(g.readers) for g in self.watched)
+        if torch_generator.initial_seed is not None:
+            readers.append(_read(torch_generator.initial_seed))
+        self._readers = tuple(readers)
+        self._copied = None
 
-    def marks(self) -> Tuple[int, ...]:
-        """Where each generator not yet seeded stands."""
-        return tuple([g.mark.value for g in self.watched])
+    def stamp(self) -> Tuple[Any, ...]:
+        return tuple(map(operator.call, self._readers))
 
-    def load(self, dataset: Any, keys: List[Any], seed: int) -> List[Any]:
+    def load(self, dataset: Any, keys: List[Any], seed: int, main: bool) -> List[Any]:
         """``dataset[index]`` of each ``(index, epoch)`` key, drawn from generators seeded from
-        (seed, epoch, index) (a plain index is loaded as is). A batch that moved a generator not
-        yet seeded is loaded again with it seeded (and from then on it is seeded for every item)."""
+        (seed, epoch, index) (a plain index is loaded as is). A batch that drew from a generator
+        not yet seeded is loaded again with it seeded (and from then on it is seeded for every
+        item). In the main process (``main``) every generator is left as it was found."""
         while True:
-            before = self.marks()
-            items = self._load(dataset, keys, seed)
-            after = self.marks()
-            if after == before:
+            readers, others = self._readers, self._others
+            before = tuple(map(operator.call, readers))
+            if main:
+                # Copies of the states are kept and used again while the stamp says nothing
+                # changed since they were made: copying 7.5 KB of states the loader does not
+                # otherwise touch, every batch, cost more than the rest of the seeding together.
+                if self._copied is None or self._copied[0] != before:
+                    self._copied = (before, [g.copy() for g, _ in self._parts])
+                copied, saved = self._copied, [g.get() for g in others] if others else ()
+            try:
+                items = self._load(dataset, keys, seed)
+            finally:
+                after = tuple(map(operator.call, readers))
+                if main and (after != before or saved):
+                    self._restore(before, after, copied[1], saved)
+            end = self._watched_end
+            if before[:end] == after[:end]:
                 return items
-            for generator, a, b in zip(self.watched, before, after):
-                if a != b:
-                    self.seeded[generator.name] = True
+            for g, part in self._parts:    # drew from a generator not seeded: seeded from now on
+                if not self.seeded[g.name] and before[part] != after[part]:
+                    self.seeded[g.name] = True
             self._update()
 
     def _load(self, dataset: Any, keys: List[Any], seed: int) -> List[Any]:
         seeders, initial_seed = self.seeders, self.initial_seed
+        found = initial_seed.value if initial_seed is not None else None
         items = []
         for key in keys:
             if type(key) is not tuple:
@@ -262,17 +315,20 @@ class _Generators:
             if initial_seed is not None:                # torch.initial_seed() is the sample's seed
                 initial_seed.value = s
             items.append(dataset[index])
+        if initial_seed is not None:
+            initial_seed.value = found
         return items
 
-    def save(self) -> List[Any]:
-        return [g.save() for g in self.all]
-
-    def restore(self, states: List[Any]) -> None:
-        """Put back what :meth:`save` copied: torch's (its initial seed was written), and each
-        generator seeded now (one not seeded was not moved)."""
-        for g, state in zip(self.all, states):
-            if g.name == "torch" or self.seeded[g.name]:
-                g.restore(state)
+    def _restore(self, stamp: Tuple[Any, ...], now: Tuple[Any, ...], copies: List[Any], others: Any) -> None:
+        """Put back each generator whose part of the stamp changed, and torch's initial seed."""
+        torch_generator = self.all[0]
+        if torch_generator.initial_seed is not None:
+            torch_generator.initial_seed.value = stamp[-1]
+        for (g, part), copied in zip(self._parts, copies):
+            if now[part] != stamp[part]:
+                g.put_back(copied)
+        for g, state in zip(self._others, others):
+            g.put(state)
 
 
 _GENERATORS: Optional[_Generators] = None
@@ -309,10 +365,5 @@ class SeededDataset(Dataset):
 
     def __getitems__(self, keys: List[Any]) -> List[Any]:
         generators = _GENERATORS or _generators()
-        if torch.utils.data.get_worker_info() is not None:   # a worker: its generators are its own
-            return generators.load(self.dataset, keys, self.seed)
-        saved = generators.save()
-        try:
-            return generators.load(self.dataset, keys, self.seed)
-        finally:
-            generators.restore(saved)
+        # a worker's generators are its own; the main process's are the training's too
+        return generators.load(self.dataset, keys, self.seed, torch.utils.data.get_worker_info() is None)

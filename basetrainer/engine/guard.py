@@ -26,10 +26,11 @@ class NonFiniteGuard:
         self.pending: List[Tuple[int, torch.Tensor, Any]] = []
 
     def watch(self, batch: int, loss: torch.Tensor, losses: Any) -> None:
-        parts = losses.detach() if isinstance(losses, torch.Tensor) else (
+        detached = loss.detach()
+        parts = detached if losses is loss else losses.detach() if isinstance(losses, torch.Tensor) else (
             {k: v.detach() for k, v in losses.items()} if isinstance(losses, dict)
             else [v.detach() for v in losses])
-        self.pending.append((batch, loss.detach(), parts))
+        self.pending.append((batch, detached, parts))
 
     def check(self, epoch: int) -> None:
         if not self.pending:

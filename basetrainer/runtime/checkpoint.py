@@ -386,7 +386,7 @@ class CheckpointFolder:
                     write(saved if weights is None else {**saved, "model": weights})
                 atomic.write_atomically(saved, target, keep_previous=keep)
             except atomic.DiskFullError as e:
-                raise atomic.DiskFullError(e.errno, f"{e.strerror}. {self._intact()}") from None
+                raise atomic.DiskFullError(e.errno, f"{e.strerror}. {self.intact()}") from None
             if target == self.last:
                 self.committed = what
             for cleanup in cleanups:
@@ -403,9 +403,16 @@ class CheckpointFolder:
             job(state)
         return target
 
-    def _intact(self) -> str:
+    def intact(self) -> str:
+        """What of the previous save is whole (said when a save fails for lack of space)."""
         if os.path.exists(self.last):
-            held = f" ({self.committed})" if self.committed else ""
+            held = self.committed
+            if held is None:   # written by an earlier run of this folder
+                try:
+                    held = describe(load_file(self.last))
+                except (OSError, ValueError, KeyError, TypeError):
+                    held = None
+            held = f" ({held})" if held else ""
             return (f"The previous {LAST} in {self.folder} is intact{held}: free some space (or move "
                     f"work_dir) and continue with resume: auto")
         return f"No {LAST} had been written to {self.folder} yet"

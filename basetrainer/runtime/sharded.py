@@ -20,13 +20,14 @@ The weights-only promise holds here too: torch 2.14's DCP reads ``.metadata`` wi
 metadata with an unpickler that only builds DCP's own metadata classes (anything else is
 refused before it runs) and refuses non-tensor items; tensors are read with ``weights_only``.
 """
+import errno
 import io
 import logging
 import os
 import pickle
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -196,24 +197,142 @@ def non_finite_local(tensors: Dict[str, Any]) -> List[str]:
     return sorted({k for part in everywhere for k in part})
 
 
-def write_shards(tensors: Dict[str, Any], folder: str) -> None:
-    """Every rank writes its shards of ``tensors`` into ``folder`` (collective); the files are
-    fsynced, and the folder too, before this returns on any rank."""
-    import torch.distributed.checkpoint as dcp
+def _writer_class() -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
 
+    class SpaceAwareWriter(FileSystemWriter):
+        """DCP's file writer, whose lack of space reaches every rank as an OSError.
+
+        DCP sends each rank's error to the others pickled, which drops what it was raised from:
+        torch's zip writer reports a full disk as ``RuntimeError: unexpected pos`` with the
+        OSError only as its context, so the other ranks saw no ENOSPC at all. Here the ENOSPC
+        behind an error is raised in its place, on the rank where it happened."""
+
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().write_data(*args, **kwargs)
+            except Exception as e:
+                _raise_space_error(e, comm.get_rank())
+                raise
+
+        def finish(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                super().finish(*args, **kwargs)
+            except Exception as e:
+                _raise_space_error(e, comm.get_rank())
+                raise
+
+    return SpaceAwareWriter
+
+
+def _raise_space_error(e: BaseException, rank: int) -> None:
+    space = atomic.space_error(e)
+    if space is not None:
+        raise OSError(space.errno, f"{space.strerror or 'No space left on device'} (rank {rank})",
+                      space.filename) from None
+
+
+def failure(e: BaseException, what: str) -> Exception:
+    """An error to raise for DCP's ``CheckpointException`` ``e`` (a BaseException holding a
+    traceback per rank, which ``except Exception`` does not catch): a RuntimeError naming what
+    failed, the ranks and the first rank's error, with ``e`` kept as its cause."""
+    failures = getattr(e, "failures", None) or {}
+    if not failures:
+        return e if isinstance(e, Exception) else RuntimeError(f"{what} failed: {type(e).__name__}: {e}")
+    rank, wrapped = sorted(failures.items())[0]
+    error = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    text = str(error).splitlines()[0] if str(error) else ""
+    return RuntimeError(f"{what} failed on rank(s) {sorted(failures)}; rank {rank}: {type(error).__name__}: {text}")
+
+
+def _disk_full(e: BaseException, folder: str, needed: int) -> bool:
+    """Whether ``e`` (DCP's error, or one rank's) comes from a full disk: an ENOSPC/EDQUOT in
+    it, or torch's "unexpected pos" (a short write) where less than ``needed`` bytes are free."""
+    if atomic.space_error(e) is not None:
+        return True
+    failures = getattr(e, "failures", None) or {0: (e, None)}
+    short = any("unexpected pos" in str(f[0] if isinstance(f, tuple) else f) for f in failures.values())
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(folder))).free
+    except OSError:
+        return False
+    return short and free < needed
+
+
+def write_shards(tensors: Dict[str, Any], folder: str, intact: Optional[Callable[[], str]] = None) -> None:
+    """Every rank writes its shards of ``tensors`` into ``folder`` (collective); the files are
+    fsynced, and the folder too, before this returns on any rank.
+
+    Raises:
+        DiskFullError: on every rank, the same one, when any rank ran out of space; the partial
+            ``folder`` is removed, and the message ends with ``intact()`` (called on the main
+            process: what of the previous save is whole).
+        RuntimeError: DCP failed otherwise (its per-rank errors are the cause).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())   # this rank's share of the save
     try:   # the name is new (step + a random id): no earlier save wrote there
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
-    except Exception as e:
-        space = atomic.space_error(e)
-        if space is None:
+        dcp.save(tensors, storage_writer=_writer_class()(folder, sync_files=True))
+    except CheckpointException as e:
+        # raised on every rank, after every rank's writes ended (DCP gathers their results first):
+        # the main process decides, removes the partial folder and tells the others
+        verdict = None
+        if comm.is_main_process() and _disk_full(e, folder, needed):
+            shutil.rmtree(folder, ignore_errors=True)
+            verdict = no_space_message(folder, needed * comm.get_world_size(), intact() if intact else "")
+        verdict = comm.broadcast_object(verdict)
+        if verdict is not None:
+            raise atomic.DiskFullError(errno.ENOSPC, verdict) from None
+        raise failure(e, f"writing the shards of {folder}") from e
+    except Exception as e:   # raised before DCP's collectives, on this rank
+        if not _disk_full(e, folder, needed):
             raise
-        raise atomic.DiskFullError(space.errno, f"no space left writing the shards of {folder}: the previous "
-                                                f"last.pth and its shards are intact; free some space and "
-                                                f"continue with resume: auto") from None
+        raise atomic.DiskFullError(errno.ENOSPC, no_space_message(folder, needed, "")) from None
     if comm.is_main_process():
         atomic.fsync_folder(folder)
         atomic.fsync_folder(os.path.dirname(folder))
     comm.synchronize()
+
+
+def no_space_message(shards: str, needed: int, intact: str) -> str:
+    """Why a sharded save failed for lack of space: the folder, about how much a save takes
+    (the previous save's shards on disk, else at least the tensors' bytes) and how much is free."""
+    parent = os.path.dirname(os.path.abspath(shards))
+    try:
+        free: Optional[int] = shutil.disk_usage(parent).free
+    except OSError:
+        free = None
+    before = [_size(os.path.join(parent, n)) for n in _listdir(parent)
+              if n.startswith(PREFIX) and n != os.path.basename(shards)]
+    size = (f"about {atomic.human(max(before))} (as the previous save's)" if before and max(before)
+            else f"at least {atomic.human(needed)}")
+    return (f"no space left in {parent}: the shards of this save ({os.path.basename(shards)}, removed) need "
+            f"{size} and {atomic.human(free)} is free. {intact}").rstrip()
+
+
+def _listdir(folder: str) -> List[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _size(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in _listdir(folder)
+               if os.path.isfile(os.path.join(folder, n)))
+
+
+def _points_at(path: str, name: str) -> bool:
+    """Whether the checkpoint file ``path`` refers to the shard folder ``name``."""
+    from basetrainer.runtime.checkpoint import load_file
+
+    try:
+        state = load_file(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("shards") == name
 
 
 def referenced(folder: str, names: Tuple[str, ...]) -> List[str]:
@@ -293,7 +412,12 @@ def load(state: dict, folder: str, mesh: Any = None) -> dict:
             templates[key] = dtensor.zeros(item.size, dtype=dtype, device_mesh=mesh, placements=[Shard(0)])
         else:
             templates[key] = torch.zeros(item.size, dtype=dtype)
-    dcp.load(templates, storage_reader=_reader_class()(shards), no_dist=not comm.is_dist())
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(templates, storage_reader=_reader_class()(shards), no_dist=not comm.is_dist())
+    except CheckpointException as e:
+        raise failure(e, f"reading the shards of {shards}") from e
     return join(state, templates)
 
 
@@ -304,6 +428,8 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
 
     Raises:
         FloatingPointError: a weight is NaN or inf on some rank (nothing is written).
+        DiskFullError: no space for the shards or for a file of the main process; raised on
+            every rank, the same one, and the new shards are removed (the previous save stays).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -323,10 +449,31 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     name = new_name(engine.global_step, path)
     os.makedirs(folder.folder, exist_ok=True)
-    write_shards(tensors, os.path.join(folder.folder, name))
+    shards = os.path.join(folder.folder, name)
+    write_shards(tensors, shards, intact=folder.intact)
+    error = None
     if comm.is_main_process():
         rest["shards"] = name
-        folder.commit(rest, background=False, path=path, weights=weights)
+        try:
+            folder.commit(rest, background=False, path=path, weights=weights)
+        except Exception as e:
+            if not _points_at(path or folder.last, name):   # the pointer was not written: the shards are no one's
+                shutil.rmtree(shards, ignore_errors=True)
+            error = e
+    # every rank ends the save the same way (the others would wait for the main process at their
+    # next collective, and fail there with a broken connection)
+    told = comm.broadcast_object(None if error is None else (
+        error.errno if isinstance(error, atomic.DiskFullError) else None,
+        error.strerror if isinstance(error, atomic.DiskFullError) else str(error), type(error).__name__))
+    if error is not None:
+        raise error
+    if told is not None:
+        number, text, kind = told
+        if number is not None:
+            raise atomic.DiskFullError(number, text)
+        if kind == "FloatingPointError":
+            raise FloatingPointError(text)
+        raise RuntimeError(f"the main process failed to write the checkpoint ({kind}: {text})")
 
 
 # ----------------------------------------------------------------------------- one file

@@ -238,6 +238,7 @@ def test_exporter_choice_and_engine_quantization_on_load(tmp_path):
         ONNXEngine(path, use_gpu=False, quant=2)
     int8 = ONNXEngine(path, use_gpu=False, quant=2, calibration=x)          # quantized in memory
     half = ONNXEngine(path, use_gpu=False, quant=1, simplify=True)
-    assert 0 < np.abs(int8(x)[0] - ref).max() < 0.1 * np.abs(ref).max()
-    assert 0 < np.abs(half(x)[0] - ref).max() <= 1e-2 * np.abs(ref).max()
+    # fp32 arithmetic stays within 1e-5 of eager here; fp16 and int8 move the logits more
+    assert 1e-3 < np.abs(int8(x)[0] - ref).max() < 0.1 * np.abs(ref).max()
+    assert 1e-5 < np.abs(half(x)[0] - ref).max() <= 1e-2 * np.abs(ref).max()
     assert sorted(os.listdir(tmp_path)) == ["m.export.json", "m.export.md", "m.onnx"]   # nothing written beside

@@ -16,9 +16,6 @@ from basetrainer.runtime import checkpoint, sharding
 from conftest import run_distributed
 from fsdp_common import BlockTrainer, fsdp_cfg, full_weights, max_diff
 
-pytestmark = pytest.mark.distributed
-
-
 # ----------------------------------------------------------------------------- the models
 class ScaledBlock(nn.Module):
     def __init__(self, width: int, scale: float, mask: torch.Tensor = None) -> None:
@@ -160,6 +157,8 @@ def _train(rank, cases, work):
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp_trains_models_that_read_tensors_or_share_buffers_as_one_process(tmp_path):
     single = _train(0, [(n, {**o, "strategy": "ddp"}) for n, o in CASES], "")
     fsdp = [(n, {**o, "strategy": "fsdp"}) for n, o in CASES]
@@ -196,6 +195,7 @@ def _meta_init(rank, cases):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_meta_init_key(tmp_path):
     ranks = run_distributed(_meta_init, 2, tmp_path, [("false", dict(net="reads", fsdp_meta_init=False)),
@@ -221,3 +221,85 @@ def test_fsdp_meta_init_values_are_checked():
     assert sharding.meta_init(fsdp_cfg(strategy="fsdp")) == "auto"
     assert sharding.meta_init(fsdp_cfg(fsdp_meta_init="False")) is False
     assert sharding.meta_init(fsdp_cfg(fsdp_meta_init="true")) is True
+
+
+# ----------------------------------------------------------------------------- 28.8
+def _run_epochs(rank, work, epochs):
+    cb = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), save_freq_steps=3,
+                                            async_save=False)]
+    t = DefectTrainer(fsdp_cfg(strategy="fsdp", work_dir=work, num_epochs=epochs, resume="auto"), callbacks=cb)
+    t.run()
+    return full_weights(t), t.start_epoch
+
+
+def _damage_newest(folder, rank_file):
+    """Truncate one rank's shard of the newest save; return its folder's name and file sizes."""
+    name = checkpoint.load_file(os.path.join(folder, "last.pth"))["shards"]
+    shard = os.path.join(folder, name, rank_file)
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    return name, _sizes(os.path.join(folder, name))
+
+
+def _sizes(path):
+    return {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_damaged_sharded_save_is_kept_whole_beside_the_fallback(tmp_path):
+    """Issue 28.8: after falling back to last.prev.pth, the damaged save's shards (the damaged
+    one and the other ranks' intact ones) stay with last.pth.damaged; twice in a row too; and
+    the run trained on from the fallback ends as one uninterrupted process."""
+    work = str(tmp_path / "run")
+    folder = os.path.join(work, "model")
+    run_distributed(_run_epochs, 2, tmp_path / "a", work, 1, timeout=300)
+    first, first_sizes = _damage_newest(folder, "__1_0.distcp")
+    run_distributed(_run_epochs, 2, tmp_path / "b", work, 2, timeout=300)
+    second, second_sizes = _damage_newest(folder, "__0_0.distcp")
+    weights, start = run_distributed(_run_epochs, 2, tmp_path / "c", work, 3, timeout=300)[0]
+    assert start == 1                                   # epoch 1's last.prev.pth: inside epoch 1
+    kept = {n: checkpoint.load_file(os.path.join(folder, n))["shards"]
+            for n in ("last.pth.damaged", "last.pth.damaged.2")}
+    assert kept == {"last.pth.damaged": first, "last.pth.damaged.2": second}
+    assert _sizes(os.path.join(folder, first)) == first_sizes       # whole, as it was left
+    assert _sizes(os.path.join(folder, second)) == second_sizes
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(first_sizes) & set(second_sizes)
+    reference = DefectTrainer(fsdp_cfg(strategy="ddp", distributed=False, num_epochs=3))
+    reference.run()
+    assert max_diff(full_weights(reference), weights) < 1e-5
+
+
+def _resumable(epoch):
+    return {"format": checkpoint.FORMAT, "epoch": epoch, "phase": "end", "batch": 0, "global_step": 9 * (epoch + 1),
+            "model": {"w": torch.full((2,), float(epoch))}}
+
+
+@pytest.mark.parametrize("pointer", ["readable", "unreadable"])
+def test_the_fallback_keeps_or_says_it_removes_the_damaged_save_s_shards(tmp_path, caplog, pointer):
+    """In one process: a damaged last.pth whose pointer reads keeps its shard folder (a folder
+    missing its .metadata here); one that cannot be read cannot say which folder is its, and the
+    warning says the next save removes the folders no readable checkpoint refers to."""
+    folder = str(tmp_path)
+    torch.save(_resumable(0), os.path.join(folder, "last.prev.pth"))
+    shards = os.path.join(folder, "last-shards-00000018-0123abcd")
+    os.makedirs(shards)
+    with open(os.path.join(shards, "__0_0.distcp"), "wb") as f:
+        f.write(b"the other rank's intact shard")
+    if pointer == "readable":
+        torch.save({**_resumable(1), "shards": os.path.basename(shards)}, os.path.join(folder, "last.pth"))
+    else:
+        with open(os.path.join(folder, "last.pth"), "wb") as f:
+            f.write(b"not a torch file")
+    ckpt = checkpoint.CheckpointFolder(folder)
+    with caplog.at_level(logging.WARNING):
+        path, state = ckpt.find_resumable()
+        assert path.endswith("last.prev.pth") and state["epoch"] == 0
+        ckpt.commit(_resumable(1), background=False)
+    assert os.path.exists(os.path.join(folder, "last.pth.damaged"))
+    if pointer == "readable":
+        assert os.listdir(shards) == ["__0_0.distcp"]
+        assert f"its shards stay in {os.path.basename(shards)}" in caplog.text
+    else:
+        assert not os.path.exists(shards)
+        assert "cannot be read, so which shard folder is its is unknown: the next save removes" in caplog.text

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "basetrainer-checkpoint-1"
 LAST, PREVIOUS = "last.pth", "last.prev.pth"
+DAMAGED = ".damaged"   # a last.pth that did not load, set aside beside the fallback (with its shards)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -377,8 +378,13 @@ class CheckpointFolder:
         if keep and self._last_damaged:   # set the damaged last.pth aside: last.prev.pth is the good one
             self._last_damaged, keep = False, None
             if os.path.exists(self.last):
-                damaged = atomic.set_aside(self.last, ".damaged")   # never over an earlier one
-                logger.warning("moved the damaged %s to %s; %s stays", self.last, damaged, self.previous)
+                damaged = atomic.set_aside(self.last, DAMAGED)   # never over an earlier one
+                shards = sharded.referenced(self.folder, (os.path.basename(damaged),))
+                logger.warning("moved the damaged %s to %s%s; %s stays", self.last, damaged,
+                               f" (its shards stay in {shards[0]})" if shards else "", self.previous)
+                if not shards and sharded.has_shard_folders(self.folder):
+                    logger.warning("%s cannot be read, so which shard folder is its is unknown: the next save "
+                                   "removes the shard folders no readable checkpoint refers to", damaged)
 
         def job(saved: dict) -> None:
             try:
@@ -393,7 +399,9 @@ class CheckpointFolder:
                 cleanup()
             if target == self.last and (saved.get("shards") or sharded.has_shard_folders(self.folder)):
                 # shard folders no last refers to any more (also after a switch from fsdp to ddp)
-                sharded.remove_unreferenced(self.folder, sharded.referenced(self.folder, (LAST, PREVIOUS)))
+                # (a damaged last.pth set aside keeps its shards: the evidence, and the other ranks' good ones)
+                sharded.remove_unreferenced(self.folder, sharded.referenced(self.folder, (LAST, PREVIOUS)
+                                                                            + self.damaged_files()))
 
         if background:
             copy = atomic.snapshot(state)
@@ -402,6 +410,14 @@ class CheckpointFolder:
             atomic.wait_for_writes()
             job(state)
         return target
+
+    def damaged_files(self) -> Tuple[str, ...]:
+        """The damaged ``last.pth`` files set aside (``last.pth.damaged``, ``.damaged.2``, ...)."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return ()
+        return tuple(sorted(n for n in names if n == LAST + DAMAGED or n.startswith(LAST + DAMAGED + ".")))
 
     def intact(self) -> str:
         """What of the previous save is whole (said when a save fails for lack of space)."""

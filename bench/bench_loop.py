@@ -4,24 +4,36 @@
     .venv/bin/python bench/bench_loop.py --quick           # a short run of everything
     .venv/bin/python bench/bench_loop.py --cases tiny ddp  # some cases only
 
-Cases (``--cases``; ``tiny`` and ``resnet18`` name both of their settings):
+Every loop case gives basetrainer the train loader a user gets from
+``self.build_dataloader(dataset, batch_size, num_workers, phase="train")`` with nothing else
+(per-sample seeding on, persistent workers); the hand loop a plain DataLoader. Cases
+(``--cases``; ``tiny`` and ``resnet18`` name both of their settings, ``digits`` both):
 
-- ``tiny_off`` / ``tiny_on``: a tiny CNN on 3x8x8 inputs, batch 64, where the loop's own cost
-  shows; basetrainer without callbacks, and with the default set (recorders, LogHistory with
-  TensorBoard, ModelCheckpoint every epoch, an LR schedule).
+- ``tiny_off`` / ``tiny_on``: a tiny CNN on in-memory 3x8x8 tensors, batch 64, where the loop's
+  own cost shows (``tiny_off`` is a new user's first trainer); basetrainer without callbacks,
+  and with the default set (recorders, LogHistory with TensorBoard, ModelCheckpoint every
+  epoch, an LR schedule).
+- ``regression``: examples/regression.py's shape: an MLP (10 -> 16 -> 1, tanh) on 353 in-memory
+  rows, MSE, batch 32, callbacks off.
 - ``resnet18_off`` / ``resnet18_on``: the model zoo's resnet18 at 32x32, a few hundred samples.
+- ``digits_w0`` / ``digits_w2``: the digits ImageFolder through examples/example.py's training
+  transforms (Resize 32, RandomAffine, ToTensor, Normalize), the tiny CNN for 32x32, batch 32,
+  the default callbacks, 0 and 2 DataLoader workers.
 - ``ddp``: the tiny CNN in 2 gloo processes (one thread each), the global batch split over them.
 - ``imports``: what ``import basetrainer`` (and the trainer / callback modules) adds to
   ``import torch, torchvision``.
 - ``data``: images/s of examples/example.py's train loader with 0 and 2 workers.
+- ``seeding``: CPU time of per-sample seeding per item and per batch (default loader, 0 workers).
 - ``costs``: the time each callback spends per event, in one instrumented run per setting.
 - ``writes``: what resnet18_on's epoch-end checkpoint (the snapshot, then the files written in
   the background) costs the training that goes on meanwhile.
 
-Each loop case runs ``--rounds`` times (default 3), each round in a fresh Python process with
-its own timed pairs, the cases taking turns; a case's figure is the median over all its pairs.
-The loop comparisons also check that basetrainer's per-epoch loss and final weights equal the
-hand-written loop's. The method is described in docs/benchmarks.md and bench/loop_contenders.py.
+Each loop case runs ``--rounds`` times (default 5), each round in a fresh Python process with
+its own timed pairs, the cases taking turns; a case's figure is the median over all its pairs,
+with a bootstrap 95% interval, in CPU time (this process's threads and its DataLoader workers;
+summed over ranks in DDP) and in wall time. The loop comparisons on in-memory tensors also
+check that basetrainer's per-epoch loss and final weights equal the hand-written loop's. The
+method is described in docs/benchmarks.md and bench/loop_contenders.py.
 """
 import argparse
 import json
@@ -49,11 +61,20 @@ import loop_docs as docs  # noqa: E402
 import loop_report as report  # noqa: E402
 
 CANONICAL = ".venv/bin/python bench/bench_loop.py --out docs"
-LOOP_CASES = ("tiny_off", "tiny_on", "resnet18_off", "resnet18_on", "ddp")
-OTHER_CASES = ("imports", "data", "costs", "writes")
+LOOP_CASES = ("tiny_off", "tiny_on", "regression", "resnet18_off", "resnet18_on", "digits_w0", "digits_w2", "ddp")
+OTHER_CASES = ("imports", "data", "seeding", "costs", "writes")
 GROUPS = {"tiny": ("tiny_off", "tiny_on"), "resnet18": ("resnet18_off", "resnet18_on"), "resnet": ("resnet18_off",
-          "resnet18_on"), "all": LOOP_CASES + OTHER_CASES}
-TARGETS = {"tiny_off": 1.03, "tiny_on": 1.10, "resnet18_off": 1.02, "resnet18_on": 1.02, "ddp": 1.05}
+          "resnet18_on"), "digits": ("digits_w0", "digits_w2"), "all": LOOP_CASES + OTHER_CASES}
+# targets on the CPU-time ratio's median (the interval is reported beside it)
+TARGETS = {"tiny_off": 1.05, "tiny_on": 1.10, "regression": 1.10, "resnet18_off": 1.02, "resnet18_on": 1.02,
+           "digits_w0": 1.05, "digits_w2": 1.05, "ddp": 1.05}
+# what each case's basetrainer side is given, for the tables
+SETUPS = {"tiny_off": "default loader, no callbacks", "tiny_on": "default loader, default callbacks",
+          "regression": "default loader, no callbacks", "resnet18_off": "default loader, no callbacks",
+          "resnet18_on": "default loader, default callbacks",
+          "digits_w0": "default loader (0 workers), default callbacks",
+          "digits_w2": "default loader (2 persistent workers), default callbacks",
+          "ddp": "default loader, no callbacks, 2 processes"}
 # glibc's malloc moves its mmap threshold up to the size of each large block freed (and its trim
 # threshold with it), so how fast an epoch allocates depends on what the process freed before:
 # 8 resnet18 steps took 0.86 s or 0.68 s on the 2-core machine depending only on whether 90 MB
@@ -66,7 +87,7 @@ FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_
 # a contender for its whole length (where its memory landed, a busy spell of the machine);
 # with 25 and 15 pairs in one process the medians of three runs still differed by more than
 # the spread of their pairs allows (resnet18_on 1.003, 1.009, 1.027).
-ROUNDS = 3
+ROUNDS = 5
 
 
 def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
@@ -74,16 +95,22 @@ def plan(quick: bool) -> Dict[str, Tuple[lc.Spec, int, int]]:
     tiny_n = 64 * (30 if quick else 100)
     res_n = 64 if quick else 256
     res_epochs = 1 if quick else 2
+    digits_n = 1437    # the digits train folder (examples/prepare_data.py: 80% of 1797)
     # Timed pairs per round (see ROUNDS). On the 2-core machine one tiny_on pair's ratio spreads
     # over 0.73-1.38 and a resnet18_on pair's over 0.76-1.36; with 9 pairs in one process a run's
     # median moved 1.06-1.11 and 1.00-1.03, and with 25 and 15 pairs in one process still
     # 1.078-1.093 and 1.003-1.027: as wide as the margin to the target.
-    tiny_reps, res_reps, ddp_reps = (3, 2, 3) if quick else (8, 5, 5)
+    tiny_reps, res_reps, ddp_reps, digits_reps = (3, 2, 3, 2) if quick else (6, 3, 4, 3)
     return {
         "tiny_off": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False), tiny_reps, 2),
         "tiny_on": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=True), tiny_reps, 2),
+        "regression": (lc.Spec("mlp", 353, 32, 10 if quick else 30, callbacks=False, lr=0.01, task="regress"),
+                       tiny_reps, 2),
         "resnet18_off": (lc.Spec("resnet18", res_n, 32, res_epochs, callbacks=False), res_reps, 1),
         "resnet18_on": (lc.Spec("resnet18", res_n, 32, res_epochs, callbacks=True), res_reps, 1),
+        "digits_w0": (lc.Spec("tiny_cnn32", digits_n, 32, 1, callbacks=True, data="digits"), digits_reps, 1),
+        "digits_w2": (lc.Spec("tiny_cnn32", digits_n, 32, 1, callbacks=True, data="digits", workers=2),
+                      digits_reps, 1),
         "ddp": (lc.Spec("tiny_cnn", tiny_n, 64, 2, callbacks=False, world=2), ddp_reps, 2),
     }
 
@@ -97,9 +124,11 @@ def steps_per_epoch(spec: lc.Spec) -> int:
 def describe(spec: lc.Spec, repeats: int, rounds: int = 1) -> str:
     """One line saying what a loop case trains."""
     pairs = f"{rounds} x {repeats} timed pairs (fresh process per round)" if rounds > 1 else f"{repeats} timed pairs"
-    return (f"{spec.model}, {spec.samples} samples/epoch, global batch {spec.batch_size}, "
+    data = ("the digits ImageFolder (example's transforms)" if spec.data == "digits"
+            else f"in-memory tensors {'x'.join(map(str, lc.INPUT_SHAPES.get(spec.model, ())))}")
+    return (f"{spec.model} on {data}, {spec.samples} samples/epoch, global batch {spec.batch_size}, "
             f"{steps_per_epoch(spec)} steps/epoch, {spec.epochs} epoch(s) per run, {pairs}, "
-            f"callbacks {'on' if spec.callbacks else 'off'}, {spec.world} process(es)")
+            f"{spec.workers} worker(s), callbacks {'on' if spec.callbacks else 'off'}, {spec.world} process(es)")
 
 
 def run_ddp(spec: lc.Spec, repeats: int, warmup_epochs: int) -> Dict[str, Any]:
@@ -127,7 +156,8 @@ def run_loop_case(name: str, spec: lc.Spec, repeats: int, warmup_epochs: int,
     else:
         result = lc.compare(spec, repeats, warmup_epochs, "default" if spec.callbacks else "none", progress=say)
     result.update({"steps": steps_per_epoch(spec), "samples": spec.samples, "target": TARGETS[name],
-                   "world": spec.world, "load": report.load_average()})
+                   "world": spec.world, "load": report.load_average(), "setup": SETUPS[name],
+                   "workers": spec.workers})
     return result
 
 
@@ -154,12 +184,13 @@ def run_round(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
 def pool_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One case's figures from its rounds: the pairs of every round together."""
     pooled = dict(rounds[0])
-    for key in ("b", "h", "ratios", "b_outside"):
+    for key in ("b", "h", "ratios", "b_outside", "b_cpu", "h_cpu"):
         pooled[key] = [x for r in rounds for x in r[key]]
     pooled["loss_diff"] = max(r["loss_diff"] for r in rounds)
     pooled["weight_diff"] = max(r["weight_diff"] for r in rounds)
     pooled["load"] = max(r["load"] for r in rounds)
     pooled["round_medians"] = [statistics.median(r["ratios"]) for r in rounds]
+    pooled["round_cpu_medians"] = [statistics.median(x / y for x, y in zip(r["b_cpu"], r["h_cpu"])) for r in rounds]
     return pooled
 
 
@@ -177,7 +208,7 @@ def run_costs(specs: Dict[str, Tuple[lc.Spec, int, int]], say: Callable[[str], N
     return out
 
 
-SECTIONS = ("imports", "data", "costs", "writes")
+SECTIONS = ("imports", "data", "seeding", "costs", "writes")
 
 
 def merge_results(paths: List[str]) -> Dict[str, Any]:
@@ -310,6 +341,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             results["imports"] = probes.import_times(2 if args.quick else 7, say)
         elif name == "data":
             results["data"] = probes.loader_throughput([0, 2], 1 if args.quick else 15, say=say)
+        elif name == "seeding":
+            results["seeding"] = probes.seeding_cost(3 if args.quick else 15, say)
         elif name == "costs":
             results["costs"] = run_costs(specs, say)
         elif name == "writes":
@@ -337,6 +370,7 @@ def finish(results: Dict[str, Any], args: argparse.Namespace, command: str, say:
         docs.write_markdown(os.path.join(args.out, "benchmarks.md"), results, command, CANONICAL)
         docs.write_png(os.path.join(args.out, "benchmarks.png"), results)
         say(f"wrote {os.path.join(args.out, 'benchmarks.md')} and {os.path.join(args.out, 'benchmarks.png')}")
+    say("\nREADME paragraph:\n\n" + docs.readme_paragraph(results))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
 """The two contenders of ``bench_loop.py``: basetrainer's loop and a hand-written PyTorch loop.
 
 Both train the same model (the same initial weights, loaded from one state_dict), on the same
-in-memory :class:`~torch.utils.data.TensorDataset`, in the same order (a
-:class:`~torch.utils.data.DistributedSampler` seeded with the same seed, ``set_epoch`` every
-epoch, rank-strided in DDP), with the same optimizer (SGD, momentum 0.9, weight decay 5e-4)
-and the same loss. Each returns the same :class:`RunResult`, so the caller can alternate them
-and compare their epoch times, their per-epoch losses and their final weights.
+data set (an in-memory :class:`~torch.utils.data.TensorDataset`, or the digits ImageFolder with
+examples/example.py's transforms), in the same order, with the same optimizer (SGD, momentum
+0.9, weight decay 5e-4) and the same loss. basetrainer's train loader is what a user gets from
+``self.build_dataloader(dataset, batch_size, num_workers, phase="train")`` with nothing else
+given: per-sample seeding of random draws on, persistent workers when there are workers. The
+hand loop's is a plain ``DataLoader`` with a :class:`~torch.utils.data.DistributedSampler`
+seeded with the same seed (``set_epoch`` every epoch, rank-strided in DDP): the same order. Each
+returns the same :class:`RunResult`, so the caller can alternate them and compare their epoch
+times (wall and CPU), their per-epoch losses and their final weights (on in-memory tensors; the
+digits' random augmentation draws differently by design: basetrainer seeds it per sample).
 
 Timing: an epoch of either contender runs from just before ``sampler.set_epoch(epoch)`` to the
 end of the epoch (basetrainer: the end of the last callback's ``on_epoch_end``; hand loop: the
@@ -27,7 +32,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+import loop_stats
 
 from basetrainer.callbacks import log_history, losses_recorder, model_checkpoint
 from basetrainer.callbacks.callbacks import Callback
@@ -60,6 +67,33 @@ class TinyCNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
+class TinyCNN32(nn.Module):
+    """The tiny CNN for 3x32x32 inputs (the digits at examples/example.py's input size): two
+    convolutions, each followed by 2x2 pooling, then the same linear head."""
+
+    def __init__(self, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(4))
+        self.head = nn.Linear(32 * 4 * 4, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+class MLP(nn.Module):
+    """examples/regression.py's model at its defaults: 10 features, one hidden layer of 16 (tanh),
+    one output."""
+
+    def __init__(self, in_features: int = 10, hidden: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def resnet18_32() -> nn.Module:
     """basetrainer's model zoo resnet18 for 32x32 inputs and 10 classes."""
     from basetrainer.models import build_models
@@ -67,8 +101,9 @@ def resnet18_32() -> nn.Module:
     return build_models.get_models("resnet18", [32, 32], NUM_CLASSES)
 
 
-MODELS: Dict[str, Callable[[], nn.Module]] = {"tiny_cnn": TinyCNN, "resnet18": resnet18_32}
-INPUT_SHAPES = {"tiny_cnn": (3, 8, 8), "resnet18": (3, 32, 32)}
+MODELS: Dict[str, Callable[[], nn.Module]] = {"tiny_cnn": TinyCNN, "resnet18": resnet18_32, "mlp": MLP,
+                                               "tiny_cnn32": TinyCNN32}
+INPUT_SHAPES = {"tiny_cnn": (3, 8, 8), "resnet18": (3, 32, 32), "mlp": (10,)}
 
 
 @dataclass
@@ -84,6 +119,10 @@ class Spec:
             TensorBoard, ModelCheckpoint, LR schedule); otherwise none.
         lr: the learning rate (the schedule keeps it constant over the run).
         world: processes (2 = DDP over gloo).
+        data: ``"tensor"`` (random inputs in memory) or ``"digits"`` (the digits ImageFolder
+            with examples/example.py's training transforms; ``samples`` is then its size).
+        workers: DataLoader worker processes (both contenders).
+        task: ``"classify"`` (cross-entropy, 10 classes) or ``"regress"`` (MSE, one output).
     """
 
     model: str
@@ -93,6 +132,12 @@ class Spec:
     callbacks: bool
     lr: float = 0.05
     world: int = 1
+    data: str = "tensor"
+    workers: int = 0
+    task: str = "classify"
+
+    def loss(self) -> nn.Module:
+        return nn.MSELoss() if self.task == "regress" else nn.CrossEntropyLoss()
 
 
 @dataclass
@@ -102,6 +147,7 @@ class RunResult:
     Attributes:
         epoch_s: wall time of each epoch.
         run_epoch_s: (last epoch's end - first epoch's start) / epochs.
+        cpu_epoch_s: the same span in CPU time (the process's threads, and its workers).
         losses: the sample-weighted mean train loss of each epoch (empty when not tracked).
         outside_s: wall time of the run outside its epochs (setup and teardown events).
         weights: the final weights (unwrapped state_dict, on the CPU).
@@ -109,16 +155,25 @@ class RunResult:
 
     epoch_s: List[float] = field(default_factory=list)
     run_epoch_s: float = 0.0
+    cpu_epoch_s: float = 0.0
     losses: List[float] = field(default_factory=list)
     outside_s: float = 0.0
     weights: Optional[Dict[str, torch.Tensor]] = None
 
 
-def make_dataset(spec: Spec) -> TensorDataset:
-    """Random inputs whose labels a fixed random linear map decides (a learnable task)."""
+def make_dataset(spec: Spec) -> Dataset:
+    """Random inputs whose labels (or targets) a fixed random linear map decides (a learnable
+    task), or the digits ImageFolder."""
+    if spec.data == "digits":
+        import loop_probes
+
+        return loop_probes.example_dataset([32, 32])
     g = torch.Generator().manual_seed(SEED)
     shape = INPUT_SHAPES[spec.model]
     x = torch.randn(spec.samples, *shape, generator=g)
+    if spec.task == "regress":
+        w = torch.randn(x[0].numel(), 1, generator=g)
+        return TensorDataset(x, x.flatten(1) @ w + 0.1 * torch.randn(spec.samples, 1, generator=g))
     w = torch.randn(x[0].numel(), NUM_CLASSES, generator=g)
     y = (x.flatten(1) @ w).argmax(dim=1)
     return TensorDataset(x, y)
@@ -150,15 +205,17 @@ def close_handlers(logger: logging.Logger) -> None:
 
 
 class EpochClock(Callback):
-    """Marks the end of every epoch; last in the callback list, it implements one event only."""
+    """Marks the end of every epoch (wall and CPU time); last in the callback list, it
+    implements one event only."""
 
-    def __init__(self) -> None:
+    def __init__(self, children: bool = False) -> None:
         super().__init__()
-        self.starts: List[float] = []
-        self.ends: List[float] = []
+        self.children = children
+        self.starts: List[tuple] = []
+        self.ends: List[tuple] = []
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        self.ends.append(time.perf_counter())
+        self.ends.append(loop_stats.clock(self.children))
 
 
 class BenchTrainer(trainer.EngineTrainer):
@@ -173,23 +230,21 @@ class BenchTrainer(trainer.EngineTrainer):
         callbacks: ``"default"``, ``"loss"`` (LossesRecorder only) or ``"none"``.
     """
 
-    def __init__(self, cfg: Any, spec: Spec, dataset: TensorDataset, state: Dict[str, torch.Tensor],
+    def __init__(self, cfg: Any, spec: Spec, dataset: Dataset, state: Dict[str, torch.Tensor],
                  work_dir: str, callbacks: str) -> None:
         super().__init__(cfg)
         self.spec, self.dataset, self.state, self.work_dir = spec, dataset, state, work_dir
         self.callback_set = callbacks
-        self.clock = EpochClock()
+        self.clock = EpochClock(children=spec.workers > 0)
         self.build(self.cfg)
 
     def set_epoch(self, epoch: int) -> None:
-        self.clock.starts.append(time.perf_counter())
+        self.clock.starts.append(loop_stats.clock(self.clock.children))
         super().set_epoch(epoch)
 
     def build_train_loader(self, cfg: Any, **kwargs: Any) -> DataLoader:
-        # the hand-written loop does not seed random draws per sample, so neither does this one
-        # (an in-memory TensorDataset draws nothing; the seeding's cost is measured by loop_probes)
-        return self.build_dataloader(self.dataset, cfg.batch_size, 0, phase="train", shuffle=True,
-                                     seed_per_sample=False)
+        # as documented, nothing else given: per-sample seeding on, persistent workers
+        return self.build_dataloader(self.dataset, cfg.batch_size, cfg.num_workers, phase="train")
 
     def build_test_loader(self, cfg: Any, **kwargs: Any) -> None:
         return None
@@ -200,6 +255,8 @@ class BenchTrainer(trainer.EngineTrainer):
         return self.build_model_parallel(model, cfg.gpu_id, distributed=cfg.distributed)
 
     def build_criterion(self, cfg: Any, **kwargs: Any) -> nn.Module:
+        if self.spec.task == "regress":
+            return nn.MSELoss()        # as examples/regression.py
         return get_criterion("CrossEntropyLoss", NUM_CLASSES, device=self.device)
 
     def build_optimizer(self, cfg: Any, **kwargs: Any) -> torch.optim.Optimizer:
@@ -228,7 +285,7 @@ class BenchTrainer(trainer.EngineTrainer):
         ]
 
 
-def run_basetrainer(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.Tensor], epochs: int,
+def run_basetrainer(spec: Spec, dataset: Dataset, state: Dict[str, torch.Tensor], epochs: int,
                     callbacks: str, patch: Optional[Callable[[BenchTrainer], None]] = None) -> RunResult:
     """Train with basetrainer and time it.
 
@@ -246,7 +303,7 @@ def run_basetrainer(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.T
     with tempfile.TemporaryDirectory(prefix="bench_loop_") as work_dir:
         cfg = {"batch_size": spec.batch_size, "num_epochs": epochs, "lr": spec.lr, "seed": SEED,
                "gpu_id": [], "progress": False, "log_freq": 50, "distributed": spec.world > 1,
-               "work_dir": work_dir, "num_workers": 0}
+               "work_dir": work_dir, "num_workers": spec.workers}
         bt = BenchTrainer(cfg, spec, dataset, state, work_dir, callbacks)
         if patch is not None:
             patch(bt)
@@ -254,9 +311,10 @@ def run_basetrainer(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.T
         history = bt.run()
         total = time.perf_counter() - t0
         starts, ends = bt.clock.starts, bt.clock.ends
-        result = RunResult(epoch_s=[e - s for s, e in zip(starts, ends)],
-                           run_epoch_s=(ends[-1] - starts[0]) / len(ends),
-                           outside_s=total - (ends[-1] - starts[0]),
+        result = RunResult(epoch_s=[e[0] - s[0] for s, e in zip(starts, ends)],
+                           run_epoch_s=(ends[-1][0] - starts[0][0]) / len(ends),
+                           cpu_epoch_s=(ends[-1][1] - starts[0][1]) / len(ends),
+                           outside_s=total - (ends[-1][0] - starts[0][0]),
                            weights={k: v.detach().cpu().clone() for k, v in bt.unwrapped_model.state_dict().items()})
         if "train/loss" in (history.last or {}):
             result.losses = [float(v) for v in history["train/loss"]]
@@ -266,7 +324,7 @@ def run_basetrainer(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.T
     return result
 
 
-def run_hand(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.Tensor], epochs: int,
+def run_hand(spec: Spec, dataset: Dataset, state: Dict[str, torch.Tensor], epochs: int,
              track_loss: bool) -> RunResult:
     """Train with a plain PyTorch loop and time it (DDP when a process group exists).
 
@@ -289,13 +347,14 @@ def run_hand(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.Tensor],
     model.load_state_dict(state)
     net: nn.Module = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
-    criterion = nn.CrossEntropyLoss()
+    criterion = spec.loss()
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     generator = torch.Generator()
     generator.manual_seed(SEED + 1000003 * rank)
-    loader = DataLoader(dataset, batch_size=spec.batch_size // world, sampler=sampler, generator=generator)
+    loader = DataLoader(dataset, batch_size=spec.batch_size // world, sampler=sampler, generator=generator,
+                        num_workers=spec.workers)
     result = RunResult()
-    first = time.perf_counter()
+    first, first_cpu = loop_stats.clock(spec.workers > 0)
     for epoch in range(epochs):
         t0 = time.perf_counter()
         sampler.set_epoch(epoch)
@@ -317,8 +376,9 @@ def run_hand(spec: Spec, dataset: TensorDataset, state: Dict[str, torch.Tensor],
             total_loss, total_count = packed.tolist()
             result.losses.append(total_loss / total_count)
         result.epoch_s.append(time.perf_counter() - t0)
-    last = time.perf_counter()
+    last, last_cpu = loop_stats.clock(spec.workers > 0)
     result.run_epoch_s = (last - first) / epochs
+    result.cpu_epoch_s = (last_cpu - first_cpu) / epochs
     result.weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     result.outside_s = time.perf_counter() - t_begin - (last - first)
     del model, net, optimizer, loader
@@ -367,9 +427,10 @@ def compare(spec: Spec, repeats: int, warmup_epochs: int, callbacks: str,
     check_set = "loss" if callbacks == "none" else callbacks
     b = run_basetrainer(spec, dataset, state, warmup_epochs, check_set)
     h = run_hand(spec, dataset, state, warmup_epochs, track_loss=True)
-    loss_diffs = [max_loss_diff(b.losses, h.losses)]
-    weight_diffs = [max_weight_diff(b.weights, h.weights)]
-    b_runs, h_runs, b_outside = [], [], []
+    exact = spec.data == "tensor"     # random augmentation draws differently in the two loops
+    loss_diffs = [max_loss_diff(b.losses, h.losses) if exact else float("nan")]
+    weight_diffs = [max_weight_diff(b.weights, h.weights) if exact else float("nan")]
+    b_runs, h_runs, b_cpu, h_cpu, b_outside = [], [], [], [], []
     for i in range(repeats):  # B,H then H,B: a load that drifts during a pair hits both alike
         if i % 2 == 0:
             b = run_basetrainer(spec, dataset, state, spec.epochs, callbacks)
@@ -378,13 +439,19 @@ def compare(spec: Spec, repeats: int, warmup_epochs: int, callbacks: str,
             b = run_basetrainer(spec, dataset, state, spec.epochs, callbacks)
         b_runs.append(b.run_epoch_s)
         h_runs.append(h.run_epoch_s)
+        b_cpu.append(b.cpu_epoch_s)
+        h_cpu.append(h.cpu_epoch_s)
         b_outside.append(b.outside_s)
-        weight_diffs.append(max_weight_diff(b.weights, h.weights))
-        if callbacks != "none":
+        if exact:
+            weight_diffs.append(max_weight_diff(b.weights, h.weights))
+        if callbacks != "none" and exact:
             loss_diffs.append(max_loss_diff(b.losses, h.losses))
-        say(f"    repeat {i + 1}/{repeats}: basetrainer {b.run_epoch_s * 1e3:8.1f} ms/epoch, "
-            f"hand {h.run_epoch_s * 1e3:8.1f} ms/epoch, ratio {b.run_epoch_s / h.run_epoch_s:.3f}")
+        say(f"    repeat {i + 1}/{repeats}: basetrainer {b.run_epoch_s * 1e3:8.1f} ms/epoch "
+            f"(CPU {b.cpu_epoch_s * 1e3:.1f}), hand {h.run_epoch_s * 1e3:8.1f} ms/epoch "
+            f"(CPU {h.cpu_epoch_s * 1e3:.1f}), ratio {b.run_epoch_s / h.run_epoch_s:.3f} "
+            f"(CPU {b.cpu_epoch_s / h.cpu_epoch_s:.3f})")
     return {"b": b_runs, "h": h_runs, "ratios": [x / y for x, y in zip(b_runs, h_runs)],
+            "b_cpu": b_cpu, "h_cpu": h_cpu,
             "loss_diff": max(loss_diffs), "weight_diff": max(weight_diffs), "b_outside": b_outside,
             "checked_epochs": warmup_epochs}
 
@@ -400,6 +467,10 @@ def ddp_entry(spec: Spec, repeats: int, warmup_epochs: int, out_file: str) -> No
     logging.getLogger("basetrainer").setLevel(logging.ERROR)
     say = (lambda msg: print(msg, flush=True)) if dist.get_rank() == 0 else None
     result = compare(spec, repeats, warmup_epochs, "none", progress=say)
+    for key in ("b_cpu", "h_cpu"):   # CPU time: the ranks' together
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, result[key])
+        result[key] = [sum(runs) for runs in zip(*every)]
     dist.barrier()
     if dist.get_rank() == 0:
         with open(out_file, "w", encoding="utf-8") as f:

@@ -4,6 +4,8 @@
   adds to ``import torch, torchvision``, in fresh interpreters.
 - :func:`loader_throughput`: images/s of one pass of examples/example.py's training loader
   (its transforms on the digits ImageFolder) with 0 and 2 worker processes.
+- :func:`seeding_cost`: what per-sample seeding costs the default loader with 0 workers, per
+  item and per batch, in CPU time.
 - :func:`callback_costs`: the wall time each callback spends in each event during a run.
 - :func:`write_interference`: what writing resnet18's epoch-end checkpoint files costs the
   training that goes on meanwhile, with the writer in a thread (as ModelCheckpoint does) and in
@@ -78,7 +80,7 @@ def import_times(repeats: int, say: Callable[[str], None] = lambda _m: None) -> 
     return out
 
 
-def _example_dataset(input_size: List[int]) -> Any:
+def example_dataset(input_size: List[int]) -> Any:
     """The digits train ImageFolder with examples/example.py's training transforms."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import example  # noqa: E402  (examples/ is not a package)
@@ -106,7 +108,7 @@ def loader_throughput(workers: List[int], repeats: int, batch_size: int = 32, in
     """
     from basetrainer.dataloader.loader import build_dataloader
 
-    dataset = _example_dataset(input_size or [32, 32])
+    dataset = example_dataset(input_size or [32, 32])
     variants = [(w, seeded) for w in workers for seeded in (True, False)]
     rates: Dict[str, Dict[str, List[float]]] = {}
     count = 0
@@ -125,6 +127,75 @@ def loader_throughput(workers: List[int], repeats: int, batch_size: int = 32, in
                 f"(first pass), {rates[name]['second'][-1]:.0f} images/s (second)")
     return {name: {"first": statistics.median(v["first"]), "second": statistics.median(v["second"]),
                    "images": count} for name, v in rates.items()}
+
+
+SEEDING_BATCHES = (8, 16, 32, 64, 128)
+
+
+class _RandomFlip:
+    """A data set's items, each flipped left-right with probability 0.5 (drawn from torch)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        import torch
+
+        x, y = self.dataset[i]
+        return (x.flip(-1) if float(torch.rand(())) < 0.5 else x), y
+
+
+def seeding_cost(repeats: int, say: Callable[[str], None] = lambda _m: None) -> Dict[str, Any]:
+    """CPU time of per-sample seeding in the default loader (0 workers): per item and per batch.
+
+    For each data set (an in-memory TensorDataset of 3x8x8 tensors, which draws nothing, and
+    the same with a random horizontal flip drawn from torch's generator, as torchvision's
+    transforms draw; an image pipeline's own cost per item, hundreds of microseconds, would
+    hide the seeding's in its noise) and
+    each batch size in :data:`SEEDING_BATCHES`, a pass over ``build_dataloader(...)`` (the
+    default) and over the same loader with ``seed_per_sample=False`` alternate, ``repeats``
+    times; the CPU time of this thread per batch is read around each pass (one torch thread).
+    The median extra time per batch is fitted by least squares as ``a * batch_size + b``:
+    ``a`` is the cost per item, ``b`` the cost per batch.
+
+    Returns:
+        ``{data set: {"per_item_us", "per_batch_us", "extra_us": {batch size: median extra us
+        per batch}}}``.
+    """
+    import numpy as np
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from basetrainer.dataloader.loader import build_dataloader
+
+    g = torch.Generator().manual_seed(0)
+    tensors = TensorDataset(torch.randn(4096, 3, 8, 8, generator=g), torch.randint(0, 10, (4096,), generator=g))
+    sets = {"in-memory tensors, no random draws": tensors,
+            "in-memory tensors, a random flip (torch)": _RandomFlip(tensors)}
+    out: Dict[str, Any] = {}
+    for name, data in sets.items():
+        loaders = {(b, seeded): build_dataloader(data, b, 0, phase="train", seed_per_sample=seeded)
+                   for b in SEEDING_BATCHES for seeded in (True, False)}
+        extra: Dict[int, List[float]] = {b: [] for b in SEEDING_BATCHES}
+        for r in range(repeats):
+            for b in SEEDING_BATCHES:
+                per = {}
+                for seeded in ((True, False) if r % 2 else (False, True)):
+                    loader = loaders[(b, seeded)]
+                    t0 = time.thread_time()
+                    for _ in loader:
+                        pass
+                    per[seeded] = (time.thread_time() - t0) / len(loader)
+                extra[b].append((per[True] - per[False]) * 1e6)
+        medians = {b: statistics.median(v) for b, v in extra.items()}
+        a, b0 = np.polyfit(list(medians), list(medians.values()), 1)
+        out[name] = {"per_item_us": float(a), "per_batch_us": float(b0), "extra_us": medians}
+        say(f"    {name}: {a:.2f} us per item + {b0:.1f} us per batch (CPU time; extra per batch: "
+            + ", ".join(f"{k}: {v:.1f}" for k, v in medians.items()) + ")")
+    return out
 
 
 def callback_costs(run: Callable[[Callable[[Any], None]], Any]) -> Tuple[Dict[str, Dict[str, float]], Any]:

@@ -366,9 +366,9 @@ def remove_unreferenced(folder: str, keep: List[str]) -> None:
 # ----------------------------------------------------------------------------- loading
 def check(state: dict, folder: str) -> None:
     """Raise ValueError when the shards ``state`` refers to are missing, damaged or unsafe:
-    the metadata is read safely and every stored tensor is loaded (``weights_only``, one at a
-    time) and checked to be finite."""
-    from basetrainer.runtime.checkpoint import non_finite
+    the metadata is read safely and every stored tensor is checked against the CRC-32 torch
+    stored with it, loaded (``weights_only``, one at a time) and checked to be finite."""
+    from basetrainer.runtime.checkpoint import crc_errors, non_finite
 
     shards = os.path.join(folder, str(state["shards"]))
     metadata = read_metadata(shards)
@@ -379,6 +379,10 @@ def check(state: dict, folder: str) -> None:
         with open(os.path.join(shards, str(item.relative_path)), "rb") as f:
             f.seek(item.offset)
             data = f.read(item.length)
+        bad = crc_errors(io.BytesIO(data))
+        if bad:   # a changed byte of a weight would load as another finite value
+            raise ValueError(f"sharded checkpoint {shards!r}: {item.relative_path} is damaged ({index.fqn}: its "
+                             f"bytes do not match the CRC-32 stored when they were written)")
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:

@@ -181,6 +181,10 @@ class MLflowLogger(Tracker):
     def _step(self, global_step: int, figures: Dict[str, float]) -> None:
         self._log(figures, global_step)
 
+    def _artifacts(self, paths: list, folder: str) -> None:
+        for path in paths:
+            self.client.log_artifact(self.run_id, path, artifact_path=folder or None)
+
     def _finish(self, done: bool) -> None:
         from mlflow.entities import RunStatus
 

@@ -191,6 +191,11 @@ class Tracker(Callback):
         if self._active and self.is_main_process:
             self._guard(f"logging step {global_step}", lambda: self._step(global_step, figures))
 
+    def log_artifacts(self, paths: List[str], folder: str = "") -> None:
+        """Files (e.g. an evaluation report and its PNGs) as artifacts of the run, under ``folder``."""
+        if self._active and self.is_main_process and paths:
+            self._guard(f"logging {len(paths)} artifact(s)", lambda: self._artifacts(list(paths), folder))
+
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         if not (self._active and self.is_main_process):
             return
@@ -219,6 +224,9 @@ class Tracker(Callback):
 
     def _finish(self, done: bool) -> None:
         raise NotImplementedError
+
+    def _artifacts(self, paths: List[str], folder: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not log artifacts")
 
 
 # name -> (module, class): each tracker in its own module, imported when asked for

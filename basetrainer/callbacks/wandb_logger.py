@@ -119,6 +119,14 @@ class WandbLogger(Tracker):
     def _step(self, global_step: int, figures: Dict[str, float]) -> None:
         self._row({"global_step": global_step, **figures}, global_step)
 
+    def _artifacts(self, paths: list, folder: str) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(name=f"{(folder or 'files').replace('/', '-')}-{self.run_id}", type="evaluation")
+        for path in paths:
+            artifact.add_file(path, name=os.path.join(folder, os.path.basename(path)) if folder else None)
+        self.run.log_artifact(artifact)
+
     def _finish(self, done: bool) -> None:
         import wandb
 

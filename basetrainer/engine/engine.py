@@ -5,7 +5,6 @@ order of the events is written once, in :class:`~basetrainer.callbacks.callbacks
 """
 import contextlib
 import logging
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -14,20 +13,20 @@ from torch import nn
 from basetrainer.callbacks.callbacks import Callback, CallbackList
 from basetrainer.dataloader import loader as loaders
 from basetrainer.engine import precision
+from basetrainer.engine.checkpointer import Checkpointer, delegated
 from basetrainer.engine.checks import check_ready
 from basetrainer.engine.guard import NonFiniteGuard, total_loss
 from basetrainer.engine.history import History
 from basetrainer.engine import preemption
-from basetrainer.engine.run_state import RunState
 from basetrainer.engine.steps import EpochSteps
 from basetrainer.models.sync_batchnorm import placeholder_batch
-from basetrainer.runtime import checkpoint, comm, sharding
+from basetrainer.runtime import comm, sharding
 from basetrainer.runtime.modules import unwrap_model
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(RunState):
+class Engine:
     """The loop. Set ``model``, ``optimizer``, ``criterion``, ``train_loader`` (and optionally
     ``test_loader``, ``callbacks``, ``num_epochs``, ``device``), then call :meth:`run`.
 
@@ -50,10 +49,7 @@ class Engine(RunState):
         self.train_loader: Optional[Any] = None
         self.test_loader: Optional[Any] = None
         self.callbacks: List[Callback] = []
-        self.num_epochs, self.start_epoch, self.epoch = 1, 0, 0
-        self.global_step = 0            # optimizer steps taken so far
-        self.phase = "train"            # where the current epoch is: train | test | end
-        self.batch_in_epoch = 0         # train steps done in the current epoch
+        self.num_epochs = 1
         self.device = torch.device("cpu")
         self.progress, self.log_freq, self.seed, self.channels_last = False, 50, 0, False
         self.amp, self.accumulate_steps = "none", 1      # amp: none | fp16 | bf16
@@ -61,27 +57,45 @@ class Engine(RunState):
         self.loss_in_replica = False    # model is DataParallel(ModelWithLoss): it returns the loss too
         self.stop_training, self.history = False, History()
         self.logs: Dict[str, Any] = {}  # the run's logs (a fresh dict per run)
-        self.run_id: Optional[str] = None
         self.runs_done = 0              # run() calls that ended (a next one goes on from there)
         self.scaler: Optional[torch.amp.GradScaler] = None
-        self.checkpoints: Optional[checkpoint.CheckpointFolder] = None
-        self._checkpoint_dir: Optional[str] = None      # chosen when the run starts (resume.prepare_run)
         self._callbacks = CallbackList([], self)
         self._guard = NonFiniteGuard()
         self._preemption = preemption.Preemption()
-        self._steps_in_epoch, self._group_size, self._non_blocking = 0, 1, False
-        self._skip_batches = 0          # mid-epoch resume: batches of start_epoch already trained
-        self._start_phase = "train"     # resume: "test" skips the train phase of start_epoch
-        self._pending_rng: Optional[dict] = None
-        self._restored_logs: Dict[str, Any] = {}
-        self._checkpoint_asked: Optional[bool] = None  # an epoch-end checkpoint was asked (background?)
-        self._saved_at: Optional[tuple] = None
-        self._save_deferred: Optional[bool] = None     # a mid-window save waits for the window's end
+        self.checkpointer = Checkpointer(self, self._guard)   # the position, saves, the start point
+        self._steps_in_epoch, self._non_blocking = 0, False
         self.loss_reduction = "mean"    # what run_step's loss is over the batch: mean | sum
         self._steps: Optional[EpochSteps] = None
         self._placeholder = False       # this step's batch is a placeholder (no sample of this rank)
         self._updated = True            # the last step ended its accumulation window
-        self._stop_agreed, self._compile_checked = False, True
+        self._compile_checked = True
+
+    # ----------------------------------------------------------------------------- checkpoints
+    # where the run is and its checkpoints: self.checkpointer's (checkpointer.py), by the names callbacks use
+    epoch = delegated("epoch", settable=True)
+    phase = delegated("phase", settable=True)                    # train | test | end
+    batch_in_epoch = delegated("batch_in_epoch", settable=True)  # train steps done in the epoch
+    global_step = delegated("global_step", settable=True)        # optimizer steps taken so far
+    start_epoch = delegated("start_epoch", settable=True)        # where the next run() starts
+    run_id = delegated("run_id", settable=True)
+    epoch_complete = delegated("epoch_complete")
+    checkpoint_candidates = delegated("candidates")
+    checkpoint_dir = delegated("directory")
+    checkpoint_folder = delegated("folder")
+    request_checkpoint = delegated("request")
+    state_dict = delegated("state_dict")
+    load_state_dict = delegated("load")
+
+    def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> Optional[str]:
+        """A resumable checkpoint of this point (``Checkpointer.save``); inside an accumulation window, at its end."""
+        return self.checkpointer.save(path, background, in_window=not self._updated)
+
+    def preempt(self, where: str) -> None:
+        """Save a resumable checkpoint of this point and exit with status 128 + signal number."""
+        self._preemption.exit(where, self.save_checkpoint(), comm.is_main_process())
+
+    def restore(self) -> None:
+        """Hook called at the start of :meth:`run`; the trainer applies ``resume`` here."""
 
     # ----------------------------------------------------------------------------- callbacks
     def extra_callbacks(self) -> List[Any]:
@@ -103,11 +117,11 @@ class Engine(RunState):
         self.scaler = self.scaler or precision.make_scaler(self.amp)
         self._non_blocking = self.device.type == "cuda"
         self.restore()
-        self.logs = logs = {**self._restored_logs, **(logs or {})}
+        self.logs = logs = {**self.checkpointer.restored_logs, **(logs or {})}
         self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
         for loader in (self.train_loader, self.test_loader):
             preemption.shield_loader(loader)
-        self.history, self.stop_training, self._stop_agreed = History(), False, False
+        self.history, self.stop_training = History(), False
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         finished = False
@@ -132,24 +146,20 @@ class Engine(RunState):
 
     def run_epoch(self, epoch: int, logs: dict) -> None:
         """One epoch: the train phase, the test phase, the epoch end and its checkpoint."""
-        self.epoch = epoch
+        ckpt = self.checkpointer
+        train = ckpt.enter_epoch(epoch)   # False: the run starts at this epoch's test phase
         self.set_epoch(epoch)
-        resume_at_test, self._start_phase = self._start_phase == "test", "train"
         self.dispatch("on_epoch_begin", epoch, logs)
-        if self.train_loader is not None and not resume_at_test:
+        if self.train_loader is not None and train:
             self.run_train_epoch(epoch, logs)
-        self._apply_pending_rng()
-        self.phase = "test"
+        ckpt.enter_test()
         self.dispatch("on_test_begin", logs)
         if self.test_loader is not None:
             self.run_test_epoch(epoch, logs)
         self.dispatch("on_test_end", logs)
         self.dispatch("on_epoch_end", epoch, logs)
-        self.phase = "end"
         self.history.append(epoch, logs)
-        if self._checkpoint_asked is not None:  # after every on_epoch_end: all states are final
-            background, self._checkpoint_asked = self._checkpoint_asked, None
-            self.save_checkpoint(background=background)
+        ckpt.end_epoch()   # and the checkpoint asked for: after every on_epoch_end, all states are final
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the train loader's (distributed) sampler which epoch it is: it reshuffles."""
@@ -157,35 +167,24 @@ class Engine(RunState):
 
     def run_train_epoch(self, epoch: int, logs: dict) -> None:
         self.model.train()
-        self.phase = "train"
         self._steps = EpochSteps(self.train_loader, self.accumulate_steps, self.loss_reduction)
-        self._steps_in_epoch, self._group_size = self._steps.steps, comm.get_world_size()  # once an epoch
-        skip, self._skip_batches = self._skip_batches, 0
-        self.batch_in_epoch = skip
-        sampler = getattr(self.train_loader, "batch_sampler", None)
-        start = skip if skip and hasattr(sampler, "start_at") else 0
-        if start:
-            sampler.start_at(skip)      # a mid-epoch resume: no batch before the stop is loaded
-        if start or not skip:
-            self._apply_pending_rng()
-        for batch, data in enumerate(preemption.start(self.train_loader), start=start):
-            if batch < skip:  # (a loader that cannot start late) the batches trained before the stop
-                if batch == skip - 1:  # generators as at the stop, before the next batch is made
-                    self._apply_pending_rng()
-                continue
+        self._steps_in_epoch = self._steps.steps
+        ckpt = self.checkpointer
+        start, batches = ckpt.enter_train(self.train_loader, preemption.start)   # a resume: after the stop
+        for batch, data in enumerate(batches, start=start):
             self.dispatch("on_batch_prepare", epoch, batch, logs)
             self.dispatch("on_batch_begin", batch, logs)
             data = self.to_device(data)
             outputs, losses = self.train_step(data, batch)
-            self.batch_in_epoch = batch + 1
+            ckpt.batch_in_epoch = batch + 1
             if not self._placeholder:   # a placeholder batch holds no sample of this rank
                 self.dispatch("on_train_summary", data, outputs, losses, epoch, batch, logs)
             self.dispatch("on_batch_end", batch, logs)
-            if self.should_log(batch):
+            if check := self.should_log(batch):
                 self._guard.check(epoch)
-            if self._updated and self._save_deferred is not None:   # asked inside the window
-                self.save_checkpoint(background=self._save_deferred)
-            if self._stop_requested(batch):
+            if self._updated and ckpt.deferred is not None:   # asked inside the window
+                self.save_checkpoint(background=ckpt.deferred)
+            if self._preemption.stop_agreed(check) and self._updated:   # a signal: stop at a window's end
                 self.preempt(f"epoch {epoch}, step {batch + 1}")
         self._guard.check(epoch)
 
@@ -225,7 +224,7 @@ class Engine(RunState):
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        self.checkpointer.global_step += 1
 
     @torch.no_grad()
     def run_test_epoch(self, epoch: int, logs: dict) -> None:

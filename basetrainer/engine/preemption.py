@@ -16,6 +16,8 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional
 
+from basetrainer.runtime import comm
+
 logger = logging.getLogger(__name__)
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -37,11 +39,13 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.agreed = False     # every rank stops at this step (see stop_agreed)
+        self._ranks = 1
         self._first_at = 0.0
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "Preemption":
-        self.signum = None
+        self.signum, self.agreed, self._ranks = None, False, comm.get_world_size()
         if threading.current_thread() is not threading.main_thread():
             return self
 
@@ -68,6 +72,17 @@ class Preemption:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def stop_agreed(self, compare: bool) -> bool:
+        """Whether the train loop stops after this step for a signal. One process: as soon as
+        one came. DDP: every rank must stop at the same step, so the ranks compare flags where
+        ``compare`` (every ``log_freq`` steps), and a signal that reached any rank stops them all."""
+        if not self.agreed:
+            if self._ranks == 1:
+                self.agreed = self.signum is not None
+            elif compare:
+                self.agreed = comm.any_true(self.signum is not None)
+        return self.agreed
 
     def exit(self, where: str, path: Optional[str], is_main: bool) -> None:
         """Tell how to resume and leave with status 128 + signal (every rank the same)."""

@@ -9,14 +9,17 @@
   num_epochs, log_freq, ...) take the new value; a change that makes the run no continuation
   (model, input size, data, seed) is refused, naming the key.
 
-The main process decides (it alone touches files); every rank receives the decision, so all
-ranks continue, or all raise the same error.
+The main process decides (it alone touches files); every rank receives the decision (a
+:class:`~basetrainer.engine.checkpointer.Start`) and hands it to its engine's checkpointer, which
+loads the checkpoint and sets the position the run starts from. So all ranks continue, or all
+raise the same error.
 """
 import builtins
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
+from basetrainer.engine.checkpointer import Start
 from basetrainer.runtime import atomic, checkpoint, comm, run_folder
 
 logger = logging.getLogger(__name__)
@@ -131,14 +134,13 @@ def _clear_folders(trainer: Any, folder: Optional[checkpoint.CheckpointFolder], 
             moved.append(f)
 
 
-def _decide(trainer: Any) -> Dict[str, Any]:
-    """The main process's decision: ``{"folder": ..., "path": checkpoint or None, "run_id": ...,
-    "fork": ..., "again": ...}``."""
+def _decide(trainer: Any) -> Start:
+    """The main process's decision: the run's checkpoint folder, and the checkpoint it continues
+    from (or none: a new run), or ``run()`` again."""
     cfg = trainer.cfg
     resume, overwrite = cfg.get("resume") or "", bool(cfg.get("overwrite"))
-    trainer._checkpoint_dir = chosen = _choose_folder(trainer)
-    folder = trainer.checkpoint_folder()
-    decision: Dict[str, Any] = {"folder": chosen, "path": None}
+    chosen = _choose_folder(trainer)
+    folder = trainer.checkpointer.folder(chosen) if chosen else None   # remembers a damaged last.pth
     run_folder.check_not_running(chosen)
     for f in _folders(trainer, folder):
         if os.path.isdir(f) and not os.access(f, os.W_OK | os.X_OK):
@@ -150,7 +152,7 @@ def _decide(trainer: Any) -> Dict[str, Any]:
     if trainer.runs_done and trainer.run_id is not None:   # run() again: it goes on with its own files
         if _owned(trainer, folder):
             run_folder.write_marker(folder.folder, trainer.run_id)
-        return {**decision, "run_id": trainer.run_id, "again": True}
+        return Start(chosen, trainer.run_id, again=True)
     marker = run_folder.read_marker(chosen)
     if resume == "auto" and not overwrite:
         if folder is None:
@@ -158,7 +160,7 @@ def _decide(trainer: Any) -> Dict[str, Any]:
         found = folder.find_resumable()
         if found is not None:
             _refuse_other_runs(trainer, found[1], found[0])
-            return {**decision, "path": found[0], "state": found[1]}
+            return _continue(trainer, chosen, *found)
     elif resume and resume != "auto":
         state = checkpoint.load_file(resume, map_location="cpu")
         if not checkpoint.is_resumable(state):
@@ -166,14 +168,14 @@ def _decide(trainer: Any) -> Dict[str, Any]:
                              f"(optimizer, epoch, ...); use finetune for weights, or resume from last.pth")
         _refuse_other_runs(trainer, state, resume)
         if folder is not None and _inside(resume, folder.folder):
-            return {**decision, "path": resume, "state": state}
+            return _continue(trainer, chosen, resume, state)
         # a new run that starts from another run's checkpoint: its folders must be its own
         _clear_folders(trainer, folder, overwrite, f"resume={resume!r} starts a new run from another folder's "
                                                    f"checkpoint")
         run_id = run_folder.new_run_id()
         if _owned(trainer, folder):
             run_folder.write_marker(folder.folder, run_id)
-        return {**decision, "path": resume, "state": state, "run_id": run_id, "fork": True}
+        return Start(chosen, run_id, resume, state, fork=True)
     if resume == "auto" and overwrite:
         logger.warning("overwrite: true starts a new run: resume='auto' is ignored")
     existing = _previous_files(trainer, folder)
@@ -187,7 +189,12 @@ def _decide(trainer: Any) -> Dict[str, Any]:
     run_id = marker["run_id"] if (marker and resume == "auto" and not overwrite) else run_folder.new_run_id()
     if _owned(trainer, folder):
         run_folder.write_marker(folder.folder, run_id)
-    return {**decision, "run_id": run_id}
+    return Start(chosen, run_id)
+
+
+def _continue(trainer: Any, folder: Optional[str], path: str, state: dict) -> Start:
+    """Continue the run of ``state`` (this folder's checkpoint), under its id."""
+    return Start(folder, state.get("run_id") or trainer.run_id or run_folder.new_run_id(), path, state)
 
 
 def _owned(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> bool:
@@ -199,50 +206,39 @@ def _owned(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> bool:
 
 
 def prepare_run(trainer: Any) -> None:
-    """Apply the run-folder rules and ``cfg.resume`` to ``trainer`` (at the start of ``run()``)."""
-    decision = _decided_by_main(lambda: _decide(trainer),
-                                public=lambda d: {k: v for k, v in d.items() if k != "state"})
-    trainer._checkpoint_dir = decision.get("folder")
-    path, state = decision.get("path"), decision.get("state")  # the state only on the main process
-    if decision.get("again"):   # run() again on this trainer: it goes on where the last run() ended
-        trainer.start_epoch = trainer.epoch + 1 if trainer.phase == "end" else trainer.epoch
-        trainer._skip_batches = trainer.batch_in_epoch if trainer.phase == "train" else 0
-        trainer._start_phase = "test" if trainer.phase == "test" else "train"
-        _say_if_done(trainer, "the last run()")
-        return
-    if path is None:
-        trainer.run_id = decision.get("run_id")
-        return
-    if state is None:
-        state = checkpoint.load_file(path, map_location="cpu")
-    changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg))
-    optimizer = trainer.optimizer
+    """Apply the run-folder rules and ``cfg.resume`` to ``trainer`` (at the start of ``run()``):
+    decide how the run starts and hand that to ``trainer.checkpointer``."""
+    start = _decided_by_main(lambda: _decide(trainer), public=Start.public)
+    if start.path is not None and start.state is None:   # a rank but the main process: read what it chose
+        start.state = checkpoint.load_file(start.path, map_location="cpu")
+    state, optimizer = start.state, trainer.optimizer
+    changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg)) if state is not None else []
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-    trainer.load_state_dict(state, source=path)
+    trainer.checkpointer.start(start)
+    if start.again:
+        _say_if_done(trainer, "the last run()")
+    if state is None:
+        return
     for key, _, _ in changes:   # the new config's optimizer settings, not the saved ones
         for group, fresh in zip(optimizer.param_groups if optimizer else [], built):
             for name in _OPTIMIZER_KEYS.get(key, ()):
                 if name in fresh:
                     group[name] = fresh[name]
-    trainer.run_id = decision.get("run_id") or trainer.run_id or run_folder.new_run_id()
-    stopped = bool(state.get("stopped")) and not decision.get("fork")
-    if stopped:   # e.g. EarlyStopping ended it: a resume does not train on
-        trainer.start_epoch = max(trainer.start_epoch, int(trainer.num_epochs))
     if comm.is_main_process():
         folder = trainer.checkpoint_folder()
         if _owned(trainer, folder):   # this process holds the run now (see run_folder.check_not_running)
             run_folder.write_marker(folder.folder, trainer.run_id)
         if changes:
             logger.warning("resume from %s: the config differs from the checkpoint's; using the new values:\n%s",
-                           path, "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in changes))
-        if stopped:
+                           start.path, "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in changes))
+        if start.stopped:
             logger.warning("resume from %s: that run had stopped (stop_training, e.g. EarlyStopping) at the %s: "
                            "nothing more is trained. To train on, start a new run from it: resume: %s with "
-                           "another work_dir", path, checkpoint.describe(state), path)
+                           "another work_dir", start.path, checkpoint.describe(state), start.path)
         else:
-            logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", path, checkpoint.describe(state),
-                        trainer.start_epoch, trainer.global_step)
-            _say_if_done(trainer, path)
+            logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", start.path,
+                        checkpoint.describe(state), trainer.start_epoch, trainer.global_step)
+            _say_if_done(trainer, start.path)
 
 
 def _say_if_done(trainer: Any, source: str) -> None:

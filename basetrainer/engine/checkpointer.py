@@ -1,0 +1,268 @@
+"""The engine's checkpointer (``engine.checkpointer``): where the run is, saving that point, and
+starting from a saved one.
+
+It owns the position (``epoch``, ``phase`` train | test | end, ``batch_in_epoch``, ``global_step``),
+which the loop moves on; the saves (asked for the epoch's end, written now, or waiting for the end
+of an accumulation window); the start point of a run (``start_epoch``, the batches of it already
+trained, the phase it starts at), computed from a position by one function
+(:meth:`Checkpointer.start_after`); and a loaded checkpoint's random generators, put back when
+the run reaches its point. Which checkpoint a run continues from is decided by
+:mod:`basetrainer.engine.resume` (a :class:`Start`); what a checkpoint holds, and how its files
+are written, found and loaded, is :mod:`basetrainer.runtime.checkpoint`.
+"""
+import dataclasses
+import operator
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from basetrainer.engine.guard import NonFiniteGuard
+from basetrainer.runtime import atomic, checkpoint, comm, sharded, sharding
+from basetrainer.utils import torch_tools
+
+
+@dataclasses.dataclass
+class Start:
+    """How a run starts, as :mod:`basetrainer.engine.resume` decided it (every rank gets it)."""
+
+    folder: Optional[str] = None        # the run's checkpoint folder (None: it has none)
+    run_id: Optional[str] = None
+    path: Optional[str] = None          # the checkpoint the run continues from (None: a new run)
+    state: Optional[dict] = None        # that checkpoint's content
+    fork: bool = False                  # a new run from another run's checkpoint
+    again: bool = False                 # run() again on this engine: on from where the last one ended
+
+    @property
+    def stopped(self) -> bool:
+        """The run continued had stopped (``stop_training``, e.g. EarlyStopping): nothing more is trained."""
+        return bool(self.state and self.state.get("stopped")) and not self.fork
+
+    def public(self) -> "Start":
+        """What the main process sends the other ranks (they load the checkpoint themselves)."""
+        return dataclasses.replace(self, state=None)
+
+
+def delegated(name: str, settable: bool = False) -> property:
+    """A property of the engine that is ``engine.checkpointer.<name>`` (its getter is C code, so a
+    callback reading ``trainer.global_step`` every step adds no Python call)."""
+    def set_value(engine: Any, value: Any) -> None:
+        setattr(engine.checkpointer, name, value)
+
+    return property(operator.attrgetter(f"checkpointer.{name}"), set_value if settable else None,
+                    doc=f"``self.checkpointer.{name}`` (see :class:`Checkpointer`).")
+
+
+class Checkpointer:
+    """Saves and restores the run of ``engine`` (see the module's docstring).
+
+    Args:
+        engine: the engine whose state it saves (model, optimizer, scaler, callbacks, config, logs).
+        guard: the engine's non-finite loss guard: no state is saved after a bad loss.
+    """
+
+    def __init__(self, engine: Any, guard: NonFiniteGuard) -> None:
+        self.engine, self.guard = engine, guard
+        self.epoch, self.phase, self.batch_in_epoch, self.global_step = 0, "train", 0, 0
+        self.start_epoch, self.skip_batches, self.start_phase = 0, 0, "train"
+        self.run_id: Optional[str] = None
+        self.restored_logs: Dict[str, Any] = {}   # the loaded checkpoint's figures (the next run's logs)
+        self.asked: Optional[bool] = None         # a save asked for the epoch's end (in the background?)
+        self.deferred: Optional[bool] = None      # a save asked inside an accumulation window (background?)
+        self._saved_at: Optional[tuple] = None    # the position last.pth holds
+        self._pending_rng: Optional[dict] = None  # a loaded checkpoint's generators, until its point
+        self._chosen: Optional[str] = None        # the checkpoint folder of the running run
+        self._folder: Optional[checkpoint.CheckpointFolder] = None
+
+    # ----------------------------------------------------------------------------- the folder
+    def candidates(self) -> List[str]:
+        """Where ``last.pth`` may go: every ModelCheckpoint's folder, in list order, then
+        ``<work_dir>/model``."""
+        engine = self.engine
+        found = [c.model_dir for c in engine.callbacks or []
+                 if getattr(c, "model_dir", None) and hasattr(c, "save_last")]
+        work_dir = getattr(engine.cfg, "get", lambda *_: None)("work_dir")
+        found += [os.path.join(work_dir, "model")] if work_dir else []
+        return list(dict.fromkeys(found))
+
+    def directory(self) -> Optional[str]:
+        """The folder of ``last.pth``: the one chosen when the run started (the candidate that
+        already holds this run's checkpoints, else the first), else the first candidate, else
+        None (no resumable checkpoints)."""
+        if self._chosen is not None:
+            return self._chosen
+        candidates = self.candidates()
+        return candidates[0] if candidates else None
+
+    def folder(self, path: Optional[str] = None) -> Optional[checkpoint.CheckpointFolder]:
+        """The :class:`~basetrainer.runtime.checkpoint.CheckpointFolder` of ``path`` (default:
+        :meth:`directory`), the same object while the folder stays: it remembers what it saved
+        and a damaged ``last.pth`` it found."""
+        path = path or self.directory()
+        if path and (self._folder is None or self._folder.folder != path):
+            self._folder = checkpoint.CheckpointFolder(path)
+        return self._folder if path else None
+
+    # ----------------------------------------------------------------------------- saving
+    def request(self, background: bool = True) -> None:
+        """Ask for ``last.pth`` at the end of this epoch, after every ``on_epoch_end`` (every
+        rank asks; ModelCheckpoint does)."""
+        self.asked = background if self.asked is None else (self.asked and background)
+
+    def save(self, path: Optional[str] = None, background: bool = False, in_window: bool = False) -> Optional[str]:
+        """Write a resumable checkpoint of this point (every rank calls it: it gathers every
+        rank's RNG state; the main process writes). A second save at the same point writes
+        nothing. Returns the path (None without a checkpoint folder, or when the save waits).
+
+        Args:
+            path: default ``<directory()>/last.pth`` (then the files callbacks staged are
+                written first, and the previous ``last.pth`` is kept as ``last.prev.pth``).
+            background: copy the state and write it in the background writer thread.
+            in_window: the train phase is inside an accumulation window: the save waits for
+                the window's end (the accumulated gradients are not saved).
+
+        Raises:
+            FloatingPointError: a loss since the last check, or a weight, is not finite.
+        """
+        self.guard.check(self.epoch)   # never save the state after a non-finite loss
+        folder = self.folder()
+        if path is None and folder is None:
+            return None
+        if in_window and self.phase == "train":
+            self.deferred = background if self.deferred is None else (self.deferred and background)
+            return None
+        self.deferred = None
+        at = (self.epoch, self.phase, self.batch_in_epoch, self.global_step)
+        if path is None and at == self._saved_at:
+            if not background:
+                atomic.wait_for_writes()
+            return folder.last
+        engine = self.engine
+        for cb in engine.callbacks or []:   # every rank: callbacks may reduce per-rank state here
+            if hasattr(cb, "prepare_state"):
+                cb.prepare_state()
+        rngs = comm.all_gather_object(checkpoint.rng_state())
+        target = folder if path is None else checkpoint.CheckpointFolder(os.path.dirname(os.path.abspath(path)))
+        if sharding.is_fsdp(engine.model):   # every rank writes its shards (in the foreground)
+            sharded.save(engine, target, rngs, path)
+        elif comm.is_main_process():
+            target.commit(self.state_dict(rng=rngs), background=background, path=path)
+        if path is None:
+            self._saved_at = at
+        comm.synchronize()
+        return path or folder.last
+
+    def state_dict(self, rng: Optional[List[dict]] = None) -> dict:
+        """Everything a resume needs (see :func:`basetrainer.runtime.checkpoint.capture`)."""
+        return checkpoint.capture(self.engine, rng)
+
+    # ----------------------------------------------------------------------------- restoring
+    def load(self, state: dict, source: str = "checkpoint") -> Tuple[int, str, int]:
+        """Restore :meth:`state_dict` into the engine: training continues after the saved point
+        (inside the epoch, skipping the batches already trained, for a mid-epoch checkpoint).
+
+        Args:
+            state: a checkpoint (a sharded one reads its shards beside ``source``).
+            source: the file it was loaded from (errors name it).
+
+        Returns:
+            The position it was saved at: ``(epoch, phase, batch)``.
+        """
+        engine = self.engine
+        model = engine.unwrapped_model
+        if state.get("shards"):   # a sharded checkpoint: read (and reshard) the tensors it refers to
+            state = sharded.load(state, os.path.dirname(os.path.abspath(source)), sharding.mesh_of(model))
+        if state.get("shards") or sharding.is_fsdp(model):
+            sharding.load_state(model, engine.optimizer, state, full=not state.get("shards"))
+        else:
+            torch_tools.load_weights(engine.model, state["model"], strict=True, source=source)
+            if engine.optimizer is not None and state.get("optimizer"):
+                engine.optimizer.load_state_dict(state["optimizer"])
+        if engine.scaler is not None and state.get("scaler"):
+            engine.scaler.load_state_dict(state["scaler"])
+        checkpoint.load_callback_states(engine.callbacks, state.get("callbacks", {}), source)
+        rngs = state.get("rng") or []
+        rngs = [rngs] if isinstance(rngs, dict) else rngs
+        if rngs:
+            self._pending_rng = rngs[comm.get_rank()] if len(rngs) == comm.get_world_size() else rngs[0]
+        position = checkpoint.position(state)
+        self.start_after(*position)
+        self.global_step = int(state.get("global_step", 0))
+        self.restored_logs = dict(state.get("logs") or {})
+        self.run_id = state.get("run_id") or self.run_id
+        self._saved_at = (*position, self.global_step)
+        return position
+
+    def start(self, plan: Start) -> None:
+        """Start a run as :mod:`basetrainer.engine.resume` decided: in its folder, from its
+        checkpoint (or, for ``run()`` again, from where the last run ended)."""
+        self._chosen = plan.folder
+        if plan.again:
+            self.start_after(self.epoch, self.phase, self.batch_in_epoch)
+            return
+        if plan.state is not None:
+            self.load(plan.state, source=plan.path or "checkpoint")
+            if plan.stopped:   # e.g. EarlyStopping ended it: a resume does not train on
+                self.start_epoch = max(self.start_epoch, int(self.engine.num_epochs))
+        self.run_id = plan.run_id
+
+    def start_after(self, epoch: int, phase: str, batch: int) -> None:
+        """Set the start point of the next run to just after the position ``(epoch, phase,
+        batch)``: the next epoch after an epoch's end, its test phase after its train phase,
+        else its train phase after ``batch`` steps."""
+        self.start_epoch = epoch + 1 if phase == "end" else epoch
+        self.skip_batches = batch if phase == "train" else 0
+        self.batch_in_epoch = 0 if phase == "end" else batch   # train steps of start_epoch already done
+        self.start_phase = "test" if phase == "test" else "train"
+
+    # ----------------------------------------------------------------------------- the loop's moves
+    def enter_epoch(self, epoch: int) -> bool:
+        """The loop begins ``epoch``; False when its train phase is skipped (a run that starts
+        at the test phase of its first epoch)."""
+        self.epoch = epoch
+        at_test, self.start_phase = self.start_phase == "test", "train"
+        return not at_test
+
+    def enter_train(self, loader: Any, open_loader: Callable[[Any], Iterator[Any]]) -> Tuple[int, Iterator[Any]]:
+        """The train phase begins: ``(first batch index, the loader's iterator at it)``.
+
+        At a mid-epoch start point the batches trained before the stop are not trained again:
+        the batch sampler starts late where it can (no batch before the stop is loaded), else
+        they are drawn and dropped. The random generators are put back as they were at the
+        saved point before the first batch is made.
+        """
+        self.phase = "train"
+        skip, self.skip_batches = self.skip_batches, 0
+        self.batch_in_epoch = skip
+        sampler = getattr(loader, "batch_sampler", None)
+        drop = skip
+        if skip and hasattr(sampler, "start_at"):
+            sampler.start_at(skip)
+            drop = 0
+        if not drop:
+            self._restore_rng()
+        batches = open_loader(loader)
+        if drop and sum(1 for _ in zip(range(drop), batches)) == drop:
+            self._restore_rng()   # generators as at the stop, before the next batch is made
+        return skip, batches
+
+    def enter_test(self) -> None:
+        """The test phase begins (the generators are put back if the run starts here)."""
+        self._restore_rng()
+        self.phase = "test"
+
+    def end_epoch(self) -> None:
+        """The epoch has ended (after every ``on_epoch_end``): write the checkpoint asked for."""
+        self.phase = "end"
+        if self.asked is not None:
+            background, self.asked = self.asked, None
+            self.save(background=background)
+
+    @property
+    def epoch_complete(self) -> bool:
+        """The current epoch has ended (its figures are final)."""
+        return self.phase == "end"
+
+    def _restore_rng(self) -> None:
+        """Put a loaded checkpoint's random generators back (once)."""
+        if self._pending_rng is not None:
+            checkpoint.set_rng_state(self._pending_rng)
+            self._pending_rng = None

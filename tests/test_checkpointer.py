@@ -1,0 +1,130 @@
+"""The checkpointer (basetrainer/engine/checkpointer.py): one object composed into the engine holds
+where the run is, its saves and the point a run starts from. A position gives one start point,
+whether it comes from a loaded checkpoint or from the end of the last ``run()`` on the same
+trainer; resume.py decides how a run starts and hands that over, writing none of the engine's
+state itself."""
+import ast
+import os
+import signal
+
+import pytest
+import torch
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.runtime import checkpoint
+
+from conftest import ROOT, ToyTrainer, toy_cfg
+
+# 64 samples in batches of 16: 4 train steps an epoch, one test batch
+CFG = dict(num_epochs=3, n_train=64, n_test=16, batch_size=16)
+
+
+class StopAt(Callback):
+    """Sends this process SIGTERM once, in epoch 1: after train step 1, in the test phase, or at
+    the epoch's end (the engine stops there, saves, and exits with 143)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.sent = where, False
+
+    def _send(self, where: str) -> None:
+        if where == self.where and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_batch_end(self, batch, logs=None):
+        if (self.trainer.epoch, batch) == (1, 1):
+            self._send("train")
+
+    def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        if epoch == 1:
+            self._send("test")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            self._send("end")
+
+
+class Seen(Callback):
+    """Where a run starts: (start_epoch, batch_in_epoch) at on_train_begin, and its first step."""
+
+    def on_train_begin(self, logs=None):
+        self.start, self.first = (self.trainer.start_epoch, self.trainer.batch_in_epoch), None
+
+    def on_train_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self.first = self.first or ("train", epoch, batch)
+
+    def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self.first = self.first or ("test", epoch, batch)
+
+
+@pytest.mark.parametrize("where,position,start,first", [
+    ("train", (1, "train", 2), (1, 2), ("train", 1, 2)),   # after step 1: the next step is 2
+    ("test", (1, "test", 4), (1, 4), ("test", 1, 0)),      # the test phase is done again
+    ("end", (1, "end", 4), (2, 0), ("train", 2, 0)),       # the next epoch, none of its steps done
+])
+def test_run_again_after_a_preemption_starts_where_its_checkpoint_does(tmp_path, where, position, start, first):
+    reference = ToyTrainer(toy_cfg(**CFG))
+    reference.run()
+    work = tmp_path / "work"
+    seen = Seen()
+    stopped = ToyTrainer(toy_cfg(work_dir=str(work), **CFG), callbacks=[StopAt(where), seen])
+    with pytest.raises(SystemExit) as leave:
+        stopped.run()
+    assert leave.value.code == 128 + signal.SIGTERM
+    state = checkpoint.load_file(str(work / "model" / "last.pth"))
+    assert checkpoint.position(state) == position
+
+    stopped.run()                        # run() again on the same trainer: on from where it stopped
+    loaded_seen = Seen()
+    loaded = ToyTrainer(toy_cfg(**CFG), callbacks=[loaded_seen])
+    loaded.load_state_dict(state, source=str(work / "model" / "last.pth"))
+    loaded.run()                         # a new trainer from the checkpoint of that point
+
+    assert (seen.start, seen.first) == (loaded_seen.start, loaded_seen.first) == (start, first)
+    want = reference.unwrapped_model.state_dict()
+    for trainer in (stopped, loaded):
+        assert trainer.global_step == reference.global_step == 12
+        got = trainer.unwrapped_model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), f"{where}: weights differ from the uninterrupted run"
+
+
+def test_resume_decides_and_writes_none_of_the_engines_state():
+    """resume.py hands its decision to ``trainer.checkpointer.start``; it assigns no attribute
+    of the trainer (nor of anything reached through it) itself."""
+    path = os.path.join(ROOT, "basetrainer", "engine", "resume.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+
+    def reaches_trainer(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in ("trainer", "engine")
+
+    writes = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and reaches_trainer(part):
+                    writes.append(f"resume.py:{part.lineno}: {ast.unparse(part)} = ...")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and node.args and reaches_trainer(node.args[0])):
+            writes.append(f"resume.py:{node.lineno}: {ast.unparse(node)}")
+    assert not writes, "\n".join(writes)
+
+
+def test_the_engine_has_a_checkpointer_and_is_not_one():
+    from basetrainer.engine import checkpointer, engine
+
+    t = ToyTrainer(toy_cfg(**CFG))
+    assert isinstance(t.checkpointer, checkpointer.Checkpointer) and t.checkpointer.engine is t
+    assert engine.Engine.__bases__ == (object,)          # composed, not mixed in
+    t.run()
+    # the position the loop moved on is the checkpointer's, read and written through the engine's names
+    assert (t.epoch, t.phase, t.batch_in_epoch, t.global_step) == (2, "end", 4, 12)
+    assert (t.checkpointer.epoch, t.checkpointer.phase, t.checkpointer.global_step) == (2, "end", 12)
+    assert t.epoch_complete
+    t.start_epoch = 1
+    assert t.checkpointer.start_epoch == 1

@@ -37,7 +37,8 @@ from griffe_rst import roles_to_markdown  # noqa: E402  (docs/griffe_rst.py, bes
 # A module that does not exist in this checkout gets no page (its group is left out if empty).
 API_GROUPS: List[Tuple[str, List[str]]] = [
     ("Trainer and loop", ["basetrainer", "basetrainer.engine.trainer", "basetrainer.engine.engine",
-                          "basetrainer.engine.launch", "basetrainer.engine.history"]),
+                          "basetrainer.engine.checkpointer", "basetrainer.engine.launch",
+                          "basetrainer.engine.history"]),
     ("Callbacks", ["basetrainer.callbacks.callbacks", "basetrainer.callbacks.log_history",
                    "basetrainer.callbacks.model_checkpoint", "basetrainer.callbacks.losses_recorder",
                    "basetrainer.callbacks.multi_losses_recorder", "basetrainer.callbacks.early_stopping",

@@ -68,13 +68,13 @@ class SharedBufferNet(nn.Module):
 
 
 class HostileNet(nn.Module):
-    """A mask shared by every block, a weight tied between two root layers, and a plain tensor
-    attribute (neither parameter nor buffer: on meta it would stay there, never given values)."""
+    """All at once: rates read with ``.tolist()``, a mask shared by every block, a weight tied
+    between two root layers, and a plain tensor attribute (neither parameter nor buffer)."""
 
     def __init__(self, width: int = 16, depth: int = 3) -> None:
         super().__init__()
         self.built_on = torch.empty(0).device.type
-        rates = [0.4 + 0.2 * i for i in range(depth)]
+        rates = torch.linspace(0.4, 0.8, depth).tolist()
         mask = (torch.arange(width) % 4 != 1).float()
         self.stem = nn.Linear(16, width, bias=False)
         self.blocks = nn.Sequential(*[ScaledBlock(width, r, mask) for r in rates])
@@ -87,7 +87,24 @@ class HostileNet(nn.Module):
         return self.head(torch.relu(self.unstem(self.blocks(self.stem(x))) + self.offset))
 
 
-MODELS = {"reads": ReadsTensorsNet, "shared_buffer": SharedBufferNet, "hostile": HostileNet}
+class PlainAttributeNet(nn.Module):
+    """Meta-safe but for a plain tensor attribute: on meta it would stay there, never given
+    values (sharding fills parameters and buffers), and fail in the first forward."""
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.built_on = torch.empty(0).device.type
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[ScaledBlock(width, 1.0) for _ in range(2)])
+        self.offset = torch.full((width,), 0.1)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.stem(x)) + self.offset))
+
+
+MODELS = {"reads": ReadsTensorsNet, "shared_buffer": SharedBufferNet, "hostile": HostileNet,
+          "plain": PlainAttributeNet}
 
 
 class DefectTrainer(BlockTrainer):
@@ -181,7 +198,7 @@ def test_fsdp_trains_models_that_read_tensors_or_share_buffers_as_one_process(tm
         fallbacks = [line for line in rank["log"] if "fsdp_meta_init" in line]
         assert len(fallbacks) == 2, rank["log"]
         assert "Tensor.item() cannot be called on meta tensors" in fallbacks[0]
-        assert "offset" in fallbacks[1]                  # the plain tensor attribute is named
+        assert "Cannot copy out of meta tensor" in fallbacks[1]      # .tolist()
     assert all("rank(s) [1]" in line for line in ranks[0]["log"] if "fsdp_meta_init" in line)
 
 
@@ -199,6 +216,7 @@ def _meta_init(rank, cases):
 @pytest.mark.slow
 def test_fsdp_meta_init_key(tmp_path):
     ranks = run_distributed(_meta_init, 2, tmp_path, [("false", dict(net="reads", fsdp_meta_init=False)),
+                                                      ("plain", dict(net="plain")),
                                                       ("auto_safe", dict(net="shared_buffer", fsdp_meta_init="auto")),
                                                       ("true_safe", dict(net="shared_buffer", fsdp_meta_init=True))], timeout=300)
     assert [r["false"][0] for r in ranks] == ["cpu", "cpu"]     # false: every rank builds normally
@@ -207,6 +225,13 @@ def test_fsdp_meta_init_key(tmp_path):
     for name in ("auto_safe", "true_safe"):   # a meta-safe model: rank 1 built it on meta
         assert [r[name][0] for r in ranks] == ["cpu", "meta"]
         assert max_diff(ranks[0][name][1], ranks[1][name][1]) == 0.0
+    # a plain tensor attribute would stay on meta: rank 1 built normally, and trained as rank 0
+    assert [r["plain"][0] for r in ranks] == ["cpu", "cpu"]
+    assert max_diff(ranks[0]["plain"][1], ranks[1]["plain"][1]) == 0.0
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)fsdp_meta_init.*true.*plain tensor attributes \['offset'\]"
+                                                    r".*register them as buffers"):
+        run_distributed(_meta_init, 2, tmp_path / "plain", [("strict", dict(net="plain", fsdp_meta_init=True))],
+                        timeout=120)
     # true: a constructor that needs real values is an error naming the key and the fix
     with pytest.raises(pytest.fail.Exception, match=r"(?s)fsdp_meta_init.*true.*Tensor.item\(\).*"
                                                     r"fsdp_meta_init: auto"):

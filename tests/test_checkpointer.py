@@ -128,3 +128,46 @@ def test_the_engine_has_a_checkpointer_and_is_not_one():
     assert t.epoch_complete
     t.start_epoch = 1
     assert t.checkpointer.start_epoch == 1
+
+
+class NoisyBlobs(torch.utils.data.Dataset):
+    """blobs with noise drawn from torch's global generator when an item is loaded (a random
+    augmentation in the main process)."""
+
+    def __init__(self) -> None:
+        from conftest import blobs
+
+        self.data = blobs(CFG["n_train"], 4, seed=0)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return x + 0.3 * torch.randn(x.shape), y
+
+
+class PlainLoaderTrainer(ToyTrainer):
+    """A train loader that cannot start late (a plain DataLoader: no ``start_at``)."""
+
+    def build_train_loader(self, cfg, **kwargs):
+        return torch.utils.data.DataLoader(NoisyBlobs(), batch_size=cfg.batch_size, shuffle=False)
+
+
+def test_a_loader_that_cannot_start_late_resumes_mid_epoch_exactly(tmp_path):
+    """The batches trained before the stop are drawn and dropped, and the generators are put back
+    after them, so the next batch draws the noise the uninterrupted run drew."""
+    reference = PlainLoaderTrainer(toy_cfg(**CFG))
+    reference.run()
+    work = tmp_path / "work"
+    stopped = PlainLoaderTrainer(toy_cfg(work_dir=str(work), **CFG), callbacks=[StopAt("train")])
+    with pytest.raises(SystemExit):
+        stopped.run()
+    state = checkpoint.load_file(str(work / "model" / "last.pth"))
+    assert checkpoint.position(state) == (1, "train", 2)
+    resumed = PlainLoaderTrainer(toy_cfg(**CFG))
+    resumed.load_state_dict(state)
+    resumed.run()
+    want, got = reference.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()
+    assert resumed.global_step == 12
+    assert all(torch.equal(got[k], want[k]) for k in want), "weights differ from the uninterrupted run"

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from basetrainer.dataloader import data_resample
 from basetrainer.dataloader.sampler import GlobalBatchSampler
 from basetrainer.dataloader.seeding import SeededDataset
 from basetrainer.runtime import comm
@@ -57,7 +58,7 @@ class _WorkerSeeder:
 def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
                      shuffle: bool = True, pin_memory: bool = False, drop_last: bool = False,
                      distributed: Optional[bool] = None, seed: int = 2020, seed_per_sample: bool = True,
-                     **kwargs: Any) -> DataLoader:
+                     balance: Optional[str] = None, labels: Optional[Any] = None, **kwargs: Any) -> DataLoader:
     """See :meth:`basetrainer.engine.trainer.EngineTrainer.build_dataloader`."""
     if phase not in ("train", "test"):
         raise ValueError(f"phase={phase!r} must be 'train' or 'test'")
@@ -85,6 +86,8 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=generator,
                   worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None)),
                   persistent_workers=persistent and num_workers > 0, **kwargs)
+    if balance not in (None, "none") and phase != "train":
+        raise ValueError(f"balance={balance!r} resamples the training set; the {phase} loader takes balance=None")
     if phase == "test":   # drop_last: the incomplete *global* batch, as one process would
         kept = size // batch_size * batch_size if drop_last else size
         if kept == 0:
@@ -92,8 +95,9 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
                              f"drop_last=True: nothing would be evaluated. Lower batch_size or set drop_last=False")
         return DataLoader(dataset, batch_size=max(1, batch_size // world), drop_last=False,
                           sampler=ShardSampler(dataset, num_replicas=world, rank=rank, size=kept), **common)
+    resample = data_resample.epoch_resampler(dataset, balance, labels, seed, shuffle)   # None: no class balance
     batches = GlobalBatchSampler(size, batch_size, world=world, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last, with_epoch=seed_per_sample)
+                                 drop_last=drop_last, with_epoch=seed_per_sample, resample=resample)
     if len(batches) == 0:
         raise ValueError(f"batch_size={batch_size} is larger than the training set ({size} samples) "
                          f"with drop_last=True: no batch would be made. Lower batch_size or set drop_last=False")

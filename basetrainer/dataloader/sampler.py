@@ -12,6 +12,10 @@ loss weight is 0 (:meth:`GlobalBatchSampler.share`).
 Each item can be handed to the data set as ``(index, epoch)``, for
 :class:`~basetrainer.dataloader.seeding.SeededDataset`, which seeds the random draws of each
 sample from (seed, epoch, index).
+
+With class balance (``resample``, a :class:`~basetrainer.dataloader.data_resample.ClassBalance`)
+the epoch's order is its resampled list of (seed, epoch), which may hold a sample several times;
+the k-th copy's key is ``(index, epoch + k * 2**32)``, so each copy draws its own augmentation.
 """
 from typing import Any, Iterator, List, Tuple
 
@@ -30,10 +34,15 @@ class GlobalBatchSampler(Sampler):
         seed: the permutation of epoch e is drawn from ``seed + e``.
         drop_last: drop the last global batch when it is incomplete.
         with_epoch: yield ``(index, epoch)`` keys (for a :class:`SeededDataset`), else indices.
+        resample: the class balance whose ``indices(epoch)`` is each epoch's order (its length is
+            ``size``; ``shuffle`` is its own).
     """
 
     def __init__(self, size: int, batch_size: int, world: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False, with_epoch: bool = True) -> None:
+                 seed: int = 0, drop_last: bool = False, with_epoch: bool = True, resample: Any = None) -> None:
+        if resample is not None and len(resample) != size:
+            raise ValueError(f"resample draws {len(resample)} samples an epoch, the data set holds {size}")
+        self.resample = resample
         self.size, self.batch_size, self.world, self.rank = size, batch_size, world, rank
         self.shuffle, self.seed, self.drop_last, self.with_epoch = shuffle, seed, drop_last, with_epoch
         self.epoch = 0
@@ -57,7 +66,9 @@ class GlobalBatchSampler(Sampler):
         return len(range(self.rank, n, self.world)), n
 
     def order(self) -> List[int]:
-        """This epoch's permutation of the data set."""
+        """This epoch's permutation of the data set (with class balance: its resampled list)."""
+        if self.resample is not None:
+            return self.resample.indices(self.epoch)
         if not self.shuffle:
             return list(range(self.size))
         g = torch.Generator()
@@ -67,8 +78,12 @@ class GlobalBatchSampler(Sampler):
     def __iter__(self) -> Iterator[List[Any]]:
         order, start, self._start = self.order(), self._start, 0
         epoch, offset = self.epoch, start * self.batch_size
+        keys = self.resample.keys(order, epoch) if self.resample is not None and self.with_epoch else None
         for step in range(start, len(self)):
-            batch = order[offset:offset + self.global_sizes[step]]
+            positions = range(offset, offset + self.global_sizes[step])
             offset += self.global_sizes[step]
-            mine = batch[self.rank::self.world] or batch[:1] * 2   # empty share: a placeholder
-            yield [(i, epoch) for i in mine] if self.with_epoch else mine
+            mine = positions[self.rank::self.world] or [positions[0]] * 2   # empty share: a placeholder
+            if keys is not None:
+                yield [keys[p] for p in mine]
+            else:
+                yield [(order[p], epoch) for p in mine] if self.with_epoch else [order[p] for p in mine]

@@ -192,10 +192,15 @@ class EngineTrainer(Engine):
                 generators seeded from (seed, epoch, index), so random augmentation is the same
                 whatever worker, batch or resumed run loads it (default: the config's
                 ``seed_per_sample``, true; see :mod:`basetrainer.dataloader.seeding`).
-            **kwargs: passed to :class:`torch.utils.data.DataLoader` (e.g. ``collate_fn``).
+            **kwargs: passed to :class:`torch.utils.data.DataLoader` (e.g. ``collate_fn``);
+                ``balance`` (default: the config's ``balance``, train phase) and ``labels`` (the
+                class of every sample, when the data set has no ``.targets``): see
+                :mod:`basetrainer.dataloader.data_resample`.
         """
         if seed_per_sample is None:
             seed_per_sample = bool(self.cfg.get("seed_per_sample", True))
+        if phase == "train":   # class-balanced resampling (the config's balance key; labels= may be given)
+            kwargs.setdefault("balance", self.cfg.get("balance"))
         return data.build_dataloader(dataset, batch_size, num_workers, phase=phase, shuffle=shuffle,
                                      pin_memory=pin_memory is not False and self.device.type == "cuda",
                                      drop_last=drop_last, distributed=distributed, seed=self.seed,

@@ -100,6 +100,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "accumulate_steps": (1, "int", "micro-batches per optimizer step"),
     "loss_reduction": ("mean", "str", "what run_step's loss is over the batch: mean (per sample) or sum"),
     "seed_per_sample": (True, "bool", "seed random draws of each train sample from (seed, epoch, index)"),
+    "balance": ("none", "str", "class-balanced resampling of the train set each epoch: none, mean (every class "
+                               "alike), log, sqrt (per-class shares grow as log / sqrt of the class size)"),
     "channels_last": (False, "bool", "channels-last memory format for 4-D inputs and the model"),
     "compile": (False, "bool", "wrap the model with torch.compile"),
     "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),
@@ -179,6 +181,9 @@ def parse_loggers(value: Any, key: str = "loggers") -> List[str]:
     return names
 
 
+# The values ``balance`` accepts (basetrainer.dataloader.data_resample.CONFIG_CHOICES).
+BALANCE_CHOICES = ("none", "mean", "log", "sqrt")
+
 # The rule for a learning rate, shared by the config and the builders that take one.
 LR_RULE = ("must be a finite number >= 0; set it to e.g. 0.1 (0 is allowed: the weights stay as they are, "
            "for evaluation-only runs or BatchNorm recalibration)")
@@ -227,6 +232,9 @@ def validate(cfg: Any) -> None:
     if "seed" in cfg and not -2 ** 62 <= cfg["seed"] < 2 ** 62:   # the loaders add rank and epoch offsets
         raise ValueError(f"config key 'seed' = {cfg['seed']!r} is out of range: use an integer of magnitude "
                          f"below 2**62 (e.g. 2020)")
+    if "balance" in cfg and str(cfg["balance"]).lower() not in BALANCE_CHOICES:
+        raise ValueError(f"config key 'balance' = {cfg['balance']!r} is not one of {list(BALANCE_CHOICES)}: none "
+                         f"(no resampling), mean, log or sqrt (see basetrainer.dataloader.data_resample)")
     if "lr" in cfg and not valid_lr(cfg["lr"]):
         raise ValueError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 

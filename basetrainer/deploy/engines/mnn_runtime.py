@@ -31,7 +31,8 @@ class MNNEngine(InferenceEngine):
         dynamic: the model takes any batch.
         num_thread: MNN's CPU threads.
         device: MNN's backend: ``"cpu"``, ``"cuda"``, ``"opencl"``, ``"vulkan"``.
-        use_gpu, device_id: accepted like the other engines; MNN's GPU is chosen by ``device``.
+        use_gpu: accepted like the other engines; MNN's GPU is chosen by ``device``.
+        device_id: accepted like the other engines (see ``device``).
     """
 
     name = "mnn"

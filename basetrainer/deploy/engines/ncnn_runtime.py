@@ -28,7 +28,8 @@ class NCNNEngine(InferenceEngine):
         use_fp16: fp16 storage and arithmetic; ``None`` (the default) follows ``quant``.
         quant: 0 fp32 (every fp16/bf16 option off), 1 fp16.
         device_id: the Vulkan GPU.
-        simplify, dynamic: accepted like the other engines (NCNN takes any batch, sample by sample).
+        simplify: accepted like the other engines.
+        dynamic: accepted like the other engines (NCNN takes any batch, sample by sample).
     """
 
     name = "ncnn"

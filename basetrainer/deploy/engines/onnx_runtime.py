@@ -38,7 +38,8 @@ class ONNXEngine(InferenceEngine):
         device_id: the CUDA device.
         num_thread: ONNX Runtime's intra-op threads (``None``: its default, one per core).
         calibration: ``(N, C, H, W)`` images for ``quant=2``.
-        op_block, nd_block: op types / node names kept in fp32 by ``quant=1``.
+        op_block: op types kept in fp32 by ``quant=1``.
+        nd_block: node names kept in fp32 by ``quant=1``.
 
     Example::
 

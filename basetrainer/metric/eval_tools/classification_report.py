@@ -24,7 +24,8 @@ def get_classification_report(true_labels: Any, pred_labels: Any, labels: Option
     """Precision, recall, F1 and support per class (``sklearn.metrics.classification_report``).
 
     Args:
-        true_labels, pred_labels: class indices per sample.
+        true_labels: the true class index per sample.
+        pred_labels: the predicted class index per sample.
         labels: the class indices to report (default: ``range(len(target_names))``, else those
             present).
         target_names: a name per class of ``labels``.

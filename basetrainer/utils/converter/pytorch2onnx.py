@@ -25,14 +25,16 @@ def convert2onnx(model: Any, input_shape: Sequence[int], input_names: Sequence[s
     Args:
         model: a module (DDP/DP/compile/EMA wrappers are looked through) or a checkpoint file.
         input_shape: ``(B, C, H, W)``.
-        input_names, output_names: the graph's names.
+        input_names: the graph's input names.
+        output_names: the graph's output names.
         onnx_file: the file to write (atomically; the simplified graph is written there too,
             not to a second ``_sim.onnx`` as the original did).
         dynamic: dynamic batch axis (``False``: a fixed batch of 1).
         simplify: simplify the graph with onnxslim.
         opset_version: ONNX opset; below 18 torch's TorchScript exporter writes it, from 18 (or
             ``None``) the dynamo exporter.
-        use_prune, sparsity: prune the model first (structural, torch-pruning).
+        use_prune: prune the model first (structural, torch-pruning).
+        sparsity: the pruning's sparsity (with ``use_prune``).
         device: where pruning runs (the export itself runs on the CPU).
         check: images ``(N, C, H, W)`` or an ImageFolder the export is checked on against the
             model (default: random inputs); beyond 1e-4 it is an error and no file is written.

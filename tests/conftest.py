@@ -123,6 +123,19 @@ def toy_cfg(**overrides: Any) -> setup_config.Config:
     return cfg
 
 
+class StopAt(Callback):
+    """Raises ``RuntimeError("stopped on purpose")`` after step ``batch`` of ``epoch`` (after
+    that step's checkpoint), like a crash."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_batch_end(self, batch, logs=None):
+        if (self.trainer.epoch, batch) == self.at:
+            raise RuntimeError("stopped on purpose")
+
+
 def make_image_folder(root: str, classes: List[str], per_class: int = 4, size: int = 8) -> str:
     """Write ``per_class`` small PNGs per class under ``root/<class>/``."""
     from PIL import Image

@@ -1,12 +1,14 @@
 """Classification accuracy (top-1, optional top-k), per-class accuracy and confusion matrix."""
 import logging
+import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from basetrainer.callbacks.callbacks import Callback, targets_of
-from basetrainer.runtime import atomic, comm
+from basetrainer.callbacks.callbacks import targets_of
+from basetrainer.callbacks.recorder import Recorder, sum_over_ranks
+from basetrainer.runtime import atomic
 
 _logger = logging.getLogger(__name__)
 
@@ -84,14 +86,15 @@ class ConfusionCounts:
         self._matrix = counts if self._matrix is None else self._matrix.to(counts.device) + counts
 
     def matrix_2d(self, num_classes: int) -> torch.Tensor:
+        """The confusion matrix so far as ``[c, c]`` (zeros of ``num_classes`` before any update)."""
         matrix = self.matrix
         if matrix is None:
             return torch.zeros(num_classes, num_classes, dtype=torch.long)
-        c = int(round(matrix.numel() ** 0.5))
+        c = math.isqrt(matrix.numel())
         return matrix.reshape(c, c)
 
 
-class AccuracyRecorder(Callback):
+class AccuracyRecorder(Recorder):
     """Writes ``logs["train/<indicator>"]`` and ``logs["test/<indicator>"]``: the fraction of
     samples whose top-1 prediction is right, over the whole epoch and every process; with
     ``topk=(1, 5)`` also ``"<phase>/<indicator>_top5"``. At the end of each test phase it keeps
@@ -112,54 +115,53 @@ class AccuracyRecorder(Callback):
             ``log_dir`` (none: no file).
     """
 
+    state_name = "AccuracyRecorder"
+
     def __init__(self, target_names: Optional[Sequence[str]] = None, indicator: str = "Accuracy",
                  topk: Sequence[int] = (1,), logger: Optional[logging.Logger] = None,
                  log_dir: Optional[str] = None) -> None:
-        super().__init__()
         if any((not isinstance(k, int)) or k < 1 for k in topk):
             raise ValueError(f"topk={tuple(topk)!r}: each k must be a positive integer")
-        self.target_names = list(target_names) if target_names is not None else None
-        self.indicator = indicator
         self.topk = tuple(sorted(set(topk) | {1}))
+        super().__init__(indicator)
+        self.target_names = list(target_names) if target_names is not None else None
         self.logger = logger or _logger
-        self.train = ConfusionCounts(self.topk)
-        self.test = ConfusionCounts(self.topk)
         self.confusion_matrix: Optional[torch.Tensor] = None
         self.per_class: Dict[str, float] = {}
         self.log_dir = log_dir
         self._history: Any = None      # the LogHistory whose folder and TensorBoard writer are used
-        self._partial: Optional[Dict[str, Any]] = None   # all ranks' train counts so far, to save
-        self._resumed = False
 
-    @property
-    def state_key(self) -> str:
-        return f"AccuracyRecorder:{self.indicator}"
+    # ---------------------------------------------------------------- what it counts
+    def new_counts(self, phase: str) -> ConfusionCounts:
+        return ConfusionCounts(self.topk)
 
-    # ---------------------------------------------------------------- figures
-    def _num_classes(self, counts: ConfusionCounts, reduce: bool) -> int:
-        if self.target_names is not None:
-            return len(self.target_names)
-        c = 0 if counts.matrix is None else int(round(counts.matrix.numel() ** 0.5))
-        if reduce:
-            c = max(comm.all_gather_object(c))
-        return c
+    def update(self, counts: ConfusionCounts, inputs: Any, outputs: Any, losses: Any) -> None:
+        counts.update(outputs if isinstance(outputs, torch.Tensor) else _logits(outputs), targets_of(inputs))
 
     def compute(self, counts: ConfusionCounts, reduce: bool) -> Dict[str, Any]:
-        """Accuracy figures of ``counts`` (summed over ranks when ``reduce``)."""
-        c = self._num_classes(counts, reduce)
-        if c == 0:
-            return {}
-        matrix = counts.matrix_2d(c)
-        if matrix.shape[0] != c:
-            raise ValueError(f"the model outputs {matrix.shape[0]} classes but target_names has {c}: "
+        """Accuracy figures of ``counts`` (summed over ranks when ``reduce``), with the
+        confusion matrix (``"matrix"``), the top-k hits (``"hits"``) and the sample count
+        (``"total"``); empty before any class is known."""
+        matrix, hits = counts.matrix, counts.hits
+        named = self.target_names is not None
+        c = len(self.target_names) if named else 0 if matrix is None else math.isqrt(matrix.numel())
+        if matrix is not None and matrix.numel() != c * c:
+            raise ValueError(f"the model outputs {math.isqrt(matrix.numel())} classes but target_names has {c}: "
                              f"set num_classes to the number of class folders")
         ks = [k for k in self.topk if k > 1]
-        hits = counts.hits if counts.hits is not None else torch.zeros(len(ks), dtype=torch.long,
-                                                                          device=matrix.device)
-        packed = torch.cat([matrix.reshape(-1), hits.to(matrix.device)])
         if reduce:
-            packed = comm.all_reduce_sum(packed)
-        packed = packed.cpu()
+            if named:   # every rank knows the shapes: they need not be gathered
+                matrix = matrix if matrix is not None else torch.zeros(c * c, dtype=torch.long)
+                hits = hits if hits is not None else torch.zeros(len(ks), dtype=torch.long)
+            summed, _ = sum_over_ranks({"matrix": matrix, "hits": hits}, agreed=named)
+            matrix, hits = summed.get("matrix"), summed.get("hits")
+            if not named:
+                c = 0 if matrix is None else math.isqrt(matrix.numel())
+        if c == 0:
+            return {}
+        matrix = matrix if matrix is not None else torch.zeros(c * c, dtype=torch.long)
+        hits = hits if hits is not None else torch.zeros(len(ks), dtype=torch.long, device=matrix.device)
+        packed = torch.cat([matrix.reshape(-1), hits.to(matrix.device)]).cpu()
         matrix = packed[: c * c].reshape(c, c)
         total = int(matrix.sum())
         figures: Dict[str, Any] = {"matrix": matrix, "hits": packed[c * c:], "total": total}
@@ -168,31 +170,19 @@ class AccuracyRecorder(Callback):
             figures[f"{self.indicator}_top{k}"] = h / total if total else float("nan")
         return figures
 
-    def _publish(self, phase: str, figures: Dict[str, Any], logs: Optional[dict]) -> None:
+    def publish(self, phase: str, figures: Dict[str, Any], logs: Optional[dict]) -> None:
         if logs is None or not figures.get("total"):   # no sample counted (e.g. resumed at the test phase)
             return
         for key, value in figures.items():
             if key.startswith(self.indicator):
                 logs[f"{phase}/{key}"] = value
 
-    # ---------------------------------------------------------------- a resume inside an epoch
-    def prepare_state(self) -> None:
-        # every rank, before a checkpoint: the epoch's counts so far over all ranks (they add up)
-        self._partial = None
-        if self.trainer is not None and getattr(self.trainer, "phase", None) == "train":
-            figures = self.compute(self.train, reduce=True)
-            if figures:
-                self._partial = {"matrix": figures["matrix"], "hits": figures["hits"]}
+    def saved(self, counts: ConfusionCounts) -> Optional[Dict[str, Any]]:
+        figures = self.compute(counts, reduce=True)
+        return {"matrix": figures["matrix"], "hits": figures["hits"]} if figures else None
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"train": self._partial} if self._partial else {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        partial = state.get("train")
-        self.train.reset()
-        if partial and comm.get_rank() == 0:   # rank 0 carries every rank's counts so far
-            self.train.load(partial["matrix"], partial.get("hits"))
-        self._resumed = bool(partial)
+    def restore(self, counts: ConfusionCounts, saved: Dict[str, Any]) -> None:
+        counts.load(saved["matrix"], saved.get("hits"))
 
     # ---------------------------------------------------------------- events
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
@@ -202,34 +192,13 @@ class AccuracyRecorder(Callback):
         else:
             self._history = None
 
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
-        if self._resumed:   # the resumed epoch goes on from its saved counts
-            self._resumed = False
-            return
-        self.train.reset()
-
-    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
-                         logs: Optional[dict] = None) -> None:
-        self.train.update(_logits(outputs), targets_of(inputs))
-        if self.trainer is not None and self.trainer.should_log(batch):
-            self._publish("train", self.compute(self.train, reduce=False), logs)
-
-    def on_test_begin(self, logs: Optional[dict] = None) -> None:
-        if self.trainer is None or self.trainer.train_loader is not None:
-            self._publish("train", self.compute(self.train, reduce=True), logs)
-        self.test.reset()
-
-    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
-                        logs: Optional[dict] = None) -> None:
-        self.test.update(_logits(outputs), targets_of(inputs))
-
     def on_test_end(self, logs: Optional[dict] = None) -> None:
-        if self.trainer is not None and self.trainer.test_loader is None:
+        if not self.records("test"):
             return
         figures = self.compute(self.test, reduce=True)
         if not figures:
             return
-        self._publish("test", figures, logs)
+        self.publish("test", figures, logs)
         matrix = figures["matrix"]
         self.confusion_matrix = matrix
         names = self.class_names(matrix.shape[0])

@@ -12,9 +12,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from basetrainer.callbacks.callbacks import Callback, batch_size_of
+from basetrainer.callbacks.callbacks import batch_size_of
 from basetrainer.callbacks.losses_recorder import LossesRecorder
-from basetrainer.metric.recorder_inputs import PHASES, check_phases, pick_output, pick_targets, update_driver
+from basetrainer.callbacks.recorder import PHASES, Recorder, check_phases
+from basetrainer.metric.recorder_inputs import pick_output, pick_targets, update_driver
 from basetrainer.runtime import comm
 
 INSTALL = 'pip install "basetrainer[metrics]"'
@@ -45,7 +46,7 @@ def _figures(name: str, value: Any, per_class: bool) -> Dict[str, Any]:
     return out
 
 
-class MetricRecorder(Callback):
+class MetricRecorder(Recorder):
     """Writes a torchmetrics metric's figure as ``logs["train/<indicator>"]`` and
     ``logs["test/<indicator>"]``; a ``MetricCollection`` writes one figure per member,
     ``"<phase>/<member name>"`` (the collection's prefix/postfix included).
@@ -98,11 +99,12 @@ class MetricRecorder(Callback):
         MetricRecorder(MaxMetric(), "max_label", reads="targets")
     """
 
+    state_name = "MetricRecorder"
+
     def __init__(self, metric: Any, indicator: Optional[str] = None, phases: Sequence[str] = PHASES,
                  target_key: Optional[str] = None, output_key: Optional[str] = None,
                  transform: Optional[Callable[[Any, Any], Any]] = None, per_class: bool = False,
                  reads: Optional[str] = None) -> None:
-        super().__init__()
         try:
             import torchmetrics
         except ImportError as e:
@@ -123,19 +125,13 @@ class MetricRecorder(Callback):
                             f"the metric's update takes")
         metric_states.check_reducible(metric)
         self._args = update_driver(metric_states.members(metric), f"MetricRecorder {indicator!r}", reads, transform)
-        self.indicator = indicator
-        self.phases = check_phases(phases)
         self.target_key, self.output_key, self.transform, self.reads = target_key, output_key, transform, reads
         self.per_class = per_class
         for _, m in metric_states.members(metric):   # no collective inside compute()/forward()
             m.sync_on_compute = m.dist_sync_on_step = m._to_sync = False
-        self.metrics = {"train": metric, "test": metric.clone()}
-        self._partial: Optional[Dict[str, Any]] = None   # all ranks' train states so far, to save
-        self._resumed = False
-
-    @property
-    def state_key(self) -> str:
-        return f"MetricRecorder:{self.indicator}"
+        self.metrics = {"train": metric}
+        super().__init__(indicator, phases)
+        self.metrics["test"] = self.test
 
     # ---------------------------------------------------------------- which way is better
     @property
@@ -160,63 +156,54 @@ class MetricRecorder(Callback):
                 return "max" if higher else "min"
         return None
 
-    # ---------------------------------------------------------------- figures
-    def _publish(self, phase: str, value: Any, logs: Optional[dict]) -> None:
-        if logs is None:
-            return
+    # ---------------------------------------------------------------- what it counts
+    def new_counts(self, phase: str) -> Any:
+        metric = self.metrics["train"]   # the metric given is the train phase's; the test phase's a copy
+        return metric if phase == "train" else metric.clone()
+
+    def update(self, counts: Any, inputs: Any, outputs: Any, losses: Any) -> None:
+        preds, targets = pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key)
+        if isinstance(preds, torch.Tensor):
+            preds = preds.detach()
+        counts.update(*self._args(preds, targets))
+
+    def compute(self, counts: Any, reduce: bool) -> Dict[str, float]:
+        from basetrainer.metric import metric_states
+
+        if not reduce or comm.get_world_size() == 1:   # the local states (one process: the whole epoch's)
+            if reduce and not any(m._update_count for _, m in metric_states.members(counts)):
+                return {}
+            value = counts.compute()
+        else:
+            reduced = metric_states.reduce_states(counts)   # every rank, also one that saw no batch
+            if all(part["count"] == 0 for part in reduced.values()):
+                return {}   # no sample (e.g. resumed at the test phase)
+            value = metric_states.compute_reduced(counts, reduced)
+        if not self.collection and isinstance(value, torch.Tensor) and value.numel() == 1:
+            return {self.indicator: float(value.detach().float())}   # one figure: one host sync
         figures = _figures("" if self.collection else self.indicator, value, self.per_class)
-        if not figures:
-            return
         tensors = [v for v in figures.values() if isinstance(v, torch.Tensor)]
         if tensors:   # one host sync for every figure
             device = tensors[0].device
             numbers = iter(torch.stack([t.detach().float().to(device) for t in tensors]).tolist())
-        for key, v in figures.items():
-            logs[f"{phase}/{key}"] = next(numbers) if isinstance(v, torch.Tensor) else float(v)
-
-    def _reduced_figures(self, phase: str, logs: Optional[dict]) -> None:
-        from basetrainer.metric import metric_states
-
-        metric = self.metrics[phase]
-        if comm.get_world_size() == 1:   # the local states are the whole epoch's
-            if any(m._update_count for _, m in metric_states.members(metric)):
-                self._publish(phase, metric.compute(), logs)
-            return
-        reduced = metric_states.reduce_states(metric)   # every rank, also one that saw no batch
-        if all(part["count"] == 0 for part in reduced.values()):
-            return   # no sample (e.g. resumed at the test phase)
-        self._publish(phase, metric_states.compute_reduced(metric, reduced), logs)
-
-    def _update(self, phase: str, inputs: Any, outputs: Any) -> None:
-        preds, targets = pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key)
-        if isinstance(preds, torch.Tensor):
-            preds = preds.detach()
-        self.metrics[phase].update(*self._args(preds, targets))
+        return {key: next(numbers) if isinstance(v, torch.Tensor) else float(v) for key, v in figures.items()}
 
     # ---------------------------------------------------------------- a resume inside an epoch
-    def prepare_state(self) -> None:
-        # every rank, before a checkpoint: the epoch's train states so far over all ranks
+    def saved(self, counts: Any) -> Optional[Dict[str, Any]]:
+        # the epoch's train states so far over all ranks
         from basetrainer.metric import metric_states
 
-        self._partial = None
-        if "train" in self.phases and self.trainer is not None and getattr(self.trainer, "phase", None) == "train":
-            reduced = metric_states.reduce_states(self.metrics["train"])
-            if any(part["count"] for part in reduced.values()):
-                self._partial = {name: {"count": part["count"], "states": {
-                    s: ([t.cpu() for t in v] if isinstance(v, list) else v.cpu()) for s, v in part["states"].items()}}
-                    for name, part in reduced.items()}
+        reduced = metric_states.reduce_states(counts)
+        if not any(part["count"] for part in reduced.values()):
+            return None
+        return {name: {"count": part["count"], "states": {
+            s: ([t.cpu() for t in v] if isinstance(v, list) else v.cpu()) for s, v in part["states"].items()}}
+            for name, part in reduced.items()}
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"train": self._partial} if self._partial else {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def restore(self, counts: Any, saved: Dict[str, Any]) -> None:
         from basetrainer.metric import metric_states
 
-        partial = state.get("train")
-        self.metrics["train"].reset()
-        if partial and comm.get_rank() == 0:   # rank 0 carries every rank's states so far
-            metric_states.load_states(self.metrics["train"], partial)
-        self._resumed = bool(partial)
+        metric_states.load_states(counts, saved)
 
     # ---------------------------------------------------------------- events
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
@@ -224,34 +211,6 @@ class MetricRecorder(Callback):
         if device is not None:
             for metric in self.metrics.values():
                 metric.to(device)
-
-    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
-        if self._resumed:   # the resumed epoch goes on from its saved states
-            self._resumed = False
-            return
-        self.metrics["train"].reset()
-
-    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
-                         logs: Optional[dict] = None) -> None:
-        if "train" not in self.phases:
-            return
-        self._update("train", inputs, outputs)
-        if self.trainer is not None and self.trainer.should_log(batch):   # this rank's figure, no collective
-            self._publish("train", self.metrics["train"].compute(), logs)
-
-    def on_test_begin(self, logs: Optional[dict] = None) -> None:
-        if "train" in self.phases and (self.trainer is None or self.trainer.train_loader is not None):
-            self._reduced_figures("train", logs)
-        self.metrics["test"].reset()
-
-    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
-                        logs: Optional[dict] = None) -> None:
-        if "test" in self.phases:
-            self._update("test", inputs, outputs)
-
-    def on_test_end(self, logs: Optional[dict] = None) -> None:
-        if "test" in self.phases and (self.trainer is None or self.trainer.test_loader is not None):
-            self._reduced_figures("test", logs)
 
 
 class FunctionRecorder(LossesRecorder):
@@ -297,41 +256,13 @@ class FunctionRecorder(LossesRecorder):
             return None
         return "max" if self.higher_is_better else "min"
 
-    def _add(self, sums: Any, inputs: Any, outputs: Any) -> None:
+    def update(self, counts: Any, inputs: Any, outputs: Any, losses: Any) -> None:
         value = self.fn(pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key))
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"FunctionRecorder {self.indicator!r}: fn returned a {type(value).__name__}; it must "
                             f"return a tensor (a batch mean, or one value per sample) on the device")
         value = value.detach()
         if value.dim() == 0:
-            sums.add({self.indicator: value}, batch_size_of(inputs))
+            counts.add({self.indicator: value}, batch_size_of(inputs))
         else:
-            sums.add({self.indicator: value.sum()}, value.numel(), per_sample=False)
-
-    def prepare_state(self) -> None:
-        if "train" in self.phases:
-            super().prepare_state()
-        else:
-            self._partial = None
-
-    def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
-                         logs: Optional[dict] = None) -> None:
-        if "train" not in self.phases:
-            return
-        self._add(self.train, inputs, outputs)
-        if self.trainer is not None and self.trainer.should_log(batch):
-            self._publish("train", self.train, logs, reduce=False)
-
-    def on_test_begin(self, logs: Optional[dict] = None) -> None:
-        if "train" in self.phases:
-            self._publish("train", self.train, logs, reduce=True)
-        self.test.reset()
-
-    def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
-                        logs: Optional[dict] = None) -> None:
-        if "test" in self.phases:
-            self._add(self.test, inputs, outputs)
-
-    def on_test_end(self, logs: Optional[dict] = None) -> None:
-        if "test" in self.phases:
-            super().on_test_end(logs)
+            counts.add({self.indicator: value.sum()}, value.numel(), per_sample=False)

@@ -1,11 +1,15 @@
 """The states of a torchmetrics ``Metric`` (or of each member of a ``MetricCollection``), reduced
 over every DDP rank with basetrainer's own collectives.
 
-torchmetrics can synchronise its states itself (``sync_on_compute``, ``dist_sync_on_step``), but
-its sync is a collective inside ``compute()``: every rank must call it, at the same time. Ranks
-hold different numbers of test batches (exact sharding) and the running train figure is read on
-one rank's state only, so :class:`~basetrainer.metric.metric_recorder.MetricRecorder` turns that
-sync off and calls :func:`reduce_states` once per phase end, on every rank, instead.
+torchmetrics synchronises its states itself (``sync_on_compute``, ``dist_sync_on_step``,
+``Metric.sync()``/``unsync()``), but its sync is a collective inside ``compute()``, and ranks
+hold different numbers of batches (exact sharding) while the running train figure is read on
+one rank's state only; so :class:`~basetrainer.metric.metric_recorder.MetricRecorder` turns it
+off and calls :func:`reduce_states` once per phase end, on every rank, instead. Called by hand,
+``sync()`` is exact for sum and cat states when every rank saw a batch, but not for the shards
+exact sharding makes (an idle rank; a list state of another length on each rank): the cases and
+figures are in :mod:`basetrainer.callbacks.recorder`, where the summed states are reduced, in
+the one place every recorder shares (:func:`~basetrainer.callbacks.recorder.sum_over_ranks`).
 
 Each state is reduced by its ``dist_reduce_fx``:
 
@@ -24,6 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from basetrainer.callbacks.recorder import sum_over_ranks
 from basetrainer.runtime import comm
 
 # what one member's reduced state looks like: {"count": updates over all ranks, "states": {...}}
@@ -108,38 +113,31 @@ def reduce_states(metric: Any) -> Reduced:
         return local_states(metric)
     parts = members(metric)
     kinds = {name: reduction_kinds(m) for name, m in parts}
+    sums: Dict[str, torch.Tensor] = {}
     payload = {}
     for name, m in parts:
-        gather, shapes = {}, {}
+        gather = {}
         for s, kind in kinds[name].items():
             value = getattr(m, s)
             if kind == "sum":
-                shapes[s] = tuple(value.shape)
+                if m._update_count:   # a rank that saw no batch adds nothing (its default may be shaped otherwise)
+                    sums[_sum_key(name, m, s)] = value
             elif kind == "list" and m._reductions[s] is not None and len(value) > 1:
                 gather[s] = [torch.cat([v.reshape(-1, *v.shape[1:]) if v.dim() else v.reshape(1)
                                         for v in value]).cpu()]   # "cat": one tensor, as torchmetrics does
             else:
                 gather[s] = _to_cpu(value)
-        payload[name] = {"count": int(m._update_count), "shapes": shapes, "gather": gather}
-    ranks = comm.all_gather_object(payload)   # every rank's counts, shapes and non-sum states
+        payload[name] = {"count": int(m._update_count), "gather": gather}
+    summed, ranks = sum_over_ranks(sums, payload)   # every rank's counts and non-sum states beside
 
-    sums: Dict[torch.dtype, List[Tuple[str, str, torch.Tensor]]] = {}
     out: Reduced = {}
     for name, m in parts:
         counts = [r[name]["count"] for r in ranks]
         seen = [r for r, c in zip(ranks, counts) if c > 0] or ranks
         states: Dict[str, Any] = {}
         for s, kind in kinds[name].items():
-            if kind == "sum":
-                value = getattr(m, s)
-                agreed = {r[name]["shapes"][s] for r in seen}
-                if len(agreed) > 1:
-                    raise ValueError(f"{type(m).__name__}: state {s!r} has shapes {sorted(agreed)} on different ranks; "
-                                     f"a summed state needs one shape (set the metric's num_classes)")
-                shape = agreed.pop()
-                if tuple(value.shape) != shape:   # this rank saw no batch: its default adds nothing
-                    value = torch.zeros(shape, dtype=value.dtype, device=value.device)
-                sums.setdefault(value.dtype, []).append((name, s, value))
+            if kind == "sum":   # no rank saw a batch: the default, as a fresh metric holds it
+                states[s] = summed.get(_sum_key(name, m, s), getattr(m, s).detach().clone())
                 continue
             values = [r[name]["gather"][s] for r in (ranks if kind in ("list", "min", "max") else seen)]
             if kind == "list":
@@ -153,13 +151,11 @@ def reduce_states(metric: Any) -> Reduced:
             else:  # mean of the ranks that saw a batch
                 states[s] = torch.stack(values).float().mean(dim=0).to(values[0].dtype)
         out[name] = {"count": sum(counts), "states": states}
-    for dtype, items in sorted(sums.items(), key=lambda kv: str(kv[0])):   # the same order on every rank
-        packed = comm.all_reduce_sum(torch.cat([v.reshape(-1) for _, _, v in items]))
-        offset = 0
-        for name, s, v in items:
-            out[name]["states"][s] = packed[offset: offset + v.numel()].reshape(v.shape)
-            offset += v.numel()
     return out
+
+
+def _sum_key(name: str, metric: Any, state: str) -> str:
+    return f"{name or type(metric).__name__}.{state}"
 
 
 def load_states(metric: Any, reduced: Reduced) -> None:

@@ -1,26 +1,10 @@
-"""What a recorder reads from a step: the phases it records, the model's outputs (a dict's
-``output_key``, a tuple's first element) and the batch's targets (a dict's ``target_key``), and
-what a metric's ``update`` takes of them."""
+"""What a recorder reads from a step: the model's outputs (a dict's ``output_key``, a tuple's
+first element) and the batch's targets (a dict's ``target_key``), and what a metric's
+``update`` takes of them."""
 import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from basetrainer.callbacks.callbacks import targets_of
-
-PHASES = ("train", "test")
-
-
-def check_phases(phases: Sequence[str]) -> Tuple[str, ...]:
-    """``phases`` as a tuple of ``"train"``/``"test"`` (a single string is one phase).
-
-    Raises:
-        ValueError: no phase, or one of another name.
-    """
-    if isinstance(phases, str):
-        phases = (phases,)
-    phases = tuple(phases)
-    if not phases or any(p not in PHASES for p in phases):
-        raise ValueError(f"phases={phases!r}: choose one or both of {PHASES}")
-    return phases
 
 
 def pick_output(outputs: Any, output_key: Optional[str]) -> Any:

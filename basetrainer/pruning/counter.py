@@ -1,17 +1,17 @@
-"""A small parameter and MAC counter (forward hooks on convolutions and linear layers).
+"""A model's parameter count and multiply-accumulates (MACs) per sample.
 
-Only convolutions and :class:`torch.nn.Linear` are counted: they hold nearly all the
-multiply-accumulates of a CNN; normalisation, activations and pooling are left out.
-
-* convolution: ``output elements * in_channels / groups * prod(kernel_size)``
-* transposed convolution: ``input elements * out_channels / groups * prod(kernel_size)``
-* linear: ``output elements * in_features``
+MACs are torch's own count, :class:`torch.utils.flop_counter.FlopCounterMode` (two FLOPs per
+multiply-accumulate), over one forward pass: the matrix products and convolutions (``conv``,
+``mm``/``addmm``, ``bmm``, attention), which hold nearly all the work of a CNN; normalisation,
+activations, pooling and bias additions are left out. For convolutions and linear layers this
+is the count of the forward hooks it replaced, to the unit (resnet18, mobilenet_v2, grouped,
+transposed, 1d and 3d convolutions compared), and it also sees products written as functions.
+torch-pruning's ``tp.utils.count_ops_and_params`` was not taken: it counts normalisation and
+activations too (other figures than the reports before it), and it is an optional extra.
 
 MACs are reported per sample (the total divided by the batch size of the example input).
 """
-import math
 from dataclasses import dataclass
-from typing import Any, List
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ class ModelCost:
 
     Attributes:
         params: Number of parameters (shared parameters counted once).
-        macs: Multiply-accumulates of the convolutions and linear layers, per sample.
+        macs: Multiply-accumulates of the convolutions and matrix products, per sample.
     """
 
     params: int
@@ -33,15 +33,6 @@ class ModelCost:
 def count_params(model: nn.Module) -> int:
     """Number of parameters of ``model`` (a parameter shared by two layers counts once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def _layer_macs(module: nn.Module, inputs: Any, output: Any) -> int:
-    if isinstance(module, nn.Linear):
-        return output.numel() * module.in_features
-    kernel = math.prod(module.kernel_size)
-    if module.transposed:
-        return inputs[0].numel() * (module.out_channels // module.groups) * kernel
-    return output.numel() * (module.in_channels // module.groups) * kernel
 
 
 def count_macs(model: nn.Module, example_inputs: torch.Tensor) -> int:
@@ -55,26 +46,19 @@ def count_macs(model: nn.Module, example_inputs: torch.Tensor) -> int:
         example_inputs: A batch shaped like the real input, on the model's device.
 
     Returns:
-        MACs of the convolutions and linear layers for one sample.
+        MACs of the convolutions and matrix products for one sample.
     """
-    total: List[int] = []
+    from torch.utils.flop_counter import FlopCounterMode
 
-    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-        total.append(_layer_macs(module, inputs, output))
-
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))]
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), FlopCounterMode(display=False) as flops:
             model(example_inputs)
     finally:
         model.train(was_training)
-        for handle in handles:
-            handle.remove()
     batch = int(example_inputs.shape[0]) if example_inputs.dim() else 1
-    return sum(total) // max(batch, 1)
+    return flops.get_total_flops() // 2 // max(batch, 1)
 
 
 def profile_model(model: nn.Module, example_inputs: torch.Tensor) -> ModelCost:

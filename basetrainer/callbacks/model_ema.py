@@ -1,4 +1,13 @@
-"""An exponential moving average of the weights, used for evaluation."""
+"""An exponential moving average of the weights, used for evaluation.
+
+Not ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))``,
+though its average is the same, to the bit (primed with the starting weights, then one
+``_foreach_lerp_`` per step, as here): measured on torch 2.14, it costs 439 Python calls per
+optimizer step on a 5-layer model where this costs 3 (it regroups the model's tensors by device
+and dtype every step), it keeps a deep copy of the module, and under fsdp that copy is refused
+("FSDP does not support deepcopy"), where this holds the average as DTensor shards of the
+state dict, one shard per rank, gathered only for the weights files.
+"""
 from typing import Any, Dict, List, Optional
 
 import torch

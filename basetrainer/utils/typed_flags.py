@@ -56,6 +56,13 @@ def _made_by(parser: argparse.ArgumentParser, keys: Set[str]) -> bool:
 
 def _callers_parser(args: argparse.Namespace, frame: Optional[FrameType]) -> Optional[argparse.ArgumentParser]:
     """The one parser that made ``args`` among the variables of ``frame`` and its callers, nearest first."""
+    # Why frames: argparse gives the exact answer (_typed_by_parser: parse_known_args with every
+    # default the SUPPRESS sentinel), but only from the parser, and a Namespace keeps no reference
+    # to the parser that made it. The seed's scripts call parser_config(parser.parse_args())
+    # without it, and a typed short option (-b 64) must still beat the YAML (test_config). What
+    # else finds it is worse: patching ArgumentParser when basetrainer is imported (a side effect
+    # on every parser of the process), or searching the heap (gc.get_objects: every parser ever
+    # made, none nearer than another).
     keys = set(vars(args))
     try:
         while frame is not None:

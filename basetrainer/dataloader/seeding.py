@@ -24,7 +24,7 @@ import ctypes
 import functools
 import operator
 import random
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch

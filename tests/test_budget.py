@@ -34,10 +34,10 @@ BYTES_MARGIN = 64           # bytes per step: a scalar tensor or two
 # today's counts beyond the hand loop's (ops, bytes) or in all (syncs, calls), per step; refresh
 # them with `python tests/test_budget.py` when a change makes a step cheaper
 BUDGET: Dict[str, Dict[str, int]] = {
-    "callbacks off": {"ops": 1, "syncs": 0, "calls": 25, "bytes": 0},
-    "callbacks off, logging step": {"ops": 12, "syncs": 1, "calls": 27, "bytes": 45},
-    "example's callbacks": {"ops": 6, "syncs": 0, "calls": 51, "bytes": 512},
-    "example's callbacks, logging step": {"ops": 44, "syncs": 6, "calls": 81, "bytes": 11257},
+    "callbacks off": {"ops": 1, "syncs": 0, "calls": 24, "bytes": 0},
+    "callbacks off, logging step": {"ops": 12, "syncs": 1, "calls": 26, "bytes": 45},
+    "example's callbacks": {"ops": 6, "syncs": 0, "calls": 50, "bytes": 512},
+    "example's callbacks, logging step": {"ops": 42, "syncs": 6, "calls": 78, "bytes": 11253},
 }
 # the default loader (per-sample seeding) beyond a plain DataLoader of the same TensorDataset
 LOADER_BUDGET: Dict[str, Dict[str, int]] = {

@@ -3,9 +3,9 @@
 
 Each rank may hold a share of the images. The images' records are gathered from every rank
 and put in one order (by file name) before COCO's evaluation runs in each process, so the
-figures are those of one process over all the images, whatever the split (torchmetrics' own
-state sync gathers list states element by element, which needs the same number of images on
-every rank; and COCO's accumulation orders equal scores by image order).
+figures are those of one process over all the images, whatever the split (COCO's accumulation
+orders equal scores by image order: the ranks' images concatenated in rank order gave another
+mAP, 0.793 against 0.856, in tests/test_eval_map.py's case).
 
 ``gt_info`` / ``dt_info`` map a file name to ``{"boxes": [[x1, y1, x2, y2], ...], "labels":
 [...]}`` (detections also ``"scores"``); a label is a class index or a name of ``class_name``.

@@ -6,6 +6,9 @@ each with its default settings, in CPU time and wall time per step.
     .venv/bin/python bench/bench_peers.py --out docs      # docs/peers.json + docs/benchmarks.md's peers table
     .venv/bin/python bench/bench_peers.py --rounds 1      # a short check
 
+The default 5 rounds take about 15-20 minutes on the 2-core machine (60 fresh processes; a
+resnet18 step costs about a second of CPU there).
+
 The peers run in bench/.venv-peers (made by bench/peers_env.sh: Lightning, Accelerate and
 basetrainer 1.0.4 with the packages it imports without declaring them; it shares .venv's torch
 through a .pth line, so torch stays the one tested here). basetrainer 1.0.4 has this package's
@@ -14,7 +17,7 @@ import name: its runs start in a folder outside the repository, so ``import base
 
 Every run is a fresh process that trains one contender for ``EPOCHS`` epochs on in-memory
 tensors (``tiny``: the tiny CNN on 3x8x8, 6400 samples, batch 64; ``resnet18``: a CIFAR-style
-torchvision resnet18 on 3x32x32, 256 samples, batch 32), one torch thread, SGD (lr 0.05,
+torchvision resnet18 on 3x32x32, 128 samples, batch 32), one torch thread, SGD (lr 0.05,
 momentum 0.9, weight decay 5e-4), cross-entropy, the same initial weights; the first epoch is a
 warm-up, the others are timed (epoch-start hook to epoch-end hook: CPU time of the process over
 all its threads, and wall time). A round runs every contender once per case, the order turning
@@ -51,7 +54,7 @@ PEERS_PYTHON = os.path.join(HERE, ".venv-peers", "bin", "python")
 CONTENDERS = ("hand", "basetrainer", "lightning", "fabric", "accelerate", "basetrainer-1.0.4")
 IN_PEERS_VENV = ("lightning", "fabric", "accelerate", "basetrainer-1.0.4")
 CASES = {"tiny": {"samples": 6400, "batch": 64, "shape": (3, 8, 8)},
-         "resnet18": {"samples": 256, "batch": 32, "shape": (3, 32, 32)}}
+         "resnet18": {"samples": 128, "batch": 32, "shape": (3, 32, 32)}}
 EPOCHS = {"tiny": 4, "resnet18": 3}
 SEED = 2020
 

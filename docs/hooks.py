@@ -57,7 +57,10 @@ API_GROUPS: List[Tuple[str, List[str]]] = [
                            "basetrainer.utils.converter.onnx2ncnn", "basetrainer.utils.converter.pytorch2ncnn",
                            "basetrainer.utils.converter.onnx2trt", "basetrainer.engine.onnx_engine",
                            "basetrainer.engine.mnn_engine", "basetrainer.engine.ncnn_engine",
-                           "basetrainer.engine.trt_engine", "basetrainer.engine.rknn_engine"]),
+                           "basetrainer.engine.openvino_engine", "basetrainer.engine.trt_engine",
+                           "basetrainer.engine.rknn_engine", "basetrainer.deploy.formats",
+                           "basetrainer.deploy.parity", "basetrainer.deploy.latency", "basetrainer.deploy.report",
+                           "basetrainer.deploy.engines.base"]),
     ("Sharded checkpoints", ["basetrainer.runtime.sharded"]),
 ]
 API_SECTION = "API reference"
@@ -68,7 +71,8 @@ CONFIG_MARKER = "<!-- config-keys -->"
 # where a key is explained at length (the table links there)
 KEY_PAGES: Dict[str, str] = {
     "strategy": "large-models.md", "fsdp_wrap": "large-models.md", "reshard_after_forward": "large-models.md",
-    "activation_checkpointing": "large-models.md", "loggers": "trackers.md", "mlflow_uri": "trackers.md",
+    "activation_checkpointing": "large-models.md", "fsdp_meta_init": "large-models.md",
+    "loggers": "trackers.md", "mlflow_uri": "trackers.md",
     "resume": "checkpoints.md#resume", "overwrite": "checkpoints.md#a-rerun-into-a-used-folder",
     "start_save": "checkpoints.md#what-a-run-writes", "gpu_id": "modes.md", "distributed": "modes.md",
     "sync_bn": "modes.md#ddp-equals-one-process", "seed_per_sample": "modes.md#randomness",

@@ -58,8 +58,7 @@ API_GROUPS: List[Tuple[str, List[str]]] = [
                            "basetrainer.utils.converter.onnx2trt", "basetrainer.engine.onnx_engine",
                            "basetrainer.engine.mnn_engine", "basetrainer.engine.ncnn_engine",
                            "basetrainer.engine.openvino_engine", "basetrainer.engine.trt_engine",
-                           "basetrainer.engine.rknn_engine", "basetrainer.deploy.formats",
-                           "basetrainer.deploy.parity", "basetrainer.deploy.latency", "basetrainer.deploy.report",
+                           "basetrainer.engine.rknn_engine", "basetrainer.deploy.parity", "basetrainer.deploy.latency", "basetrainer.deploy.report",
                            "basetrainer.deploy.engines.base"]),
     ("Sharded checkpoints", ["basetrainer.runtime.sharded"]),
 ]

@@ -134,7 +134,7 @@ class EvalReport(Callback):
         trainer = self.trainer
         epoch = int(getattr(trainer, "epoch", 0))
         last = epoch + 1 >= int(getattr(trainer, "num_epochs", epoch + 1))
-        if self.every_epoch or last:
+        if self.every_epoch or last or getattr(trainer, "evaluating", False):   # evaluate(): a report
             self.report(epoch)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:

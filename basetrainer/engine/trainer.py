@@ -1,6 +1,6 @@
 """EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
 import logging
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from basetrainer.callbacks.progress_bar import ProgressBar
 from basetrainer.dataloader import loader as data
-from basetrainer.engine import resume
+from basetrainer.engine import inference, resume
 from basetrainer.engine.engine import Engine
 from basetrainer.models import sync_batchnorm
 from basetrainer.runtime import comm, sharding
@@ -82,6 +82,7 @@ class EngineTrainer(Engine):
         self.gpu_id = list(cfg.gpu_id or [])
         self.device = self._select_device(self.gpu_id, bool(cfg.distributed))
         self.strategy = sharding.strategy_of(cfg)
+        self.evaluating = False  # True during evaluate() (EvalReport reports then)
         sharding.check_config(cfg, self.device, self.amp)
         resume.claim_work_dir(cfg)
 
@@ -258,3 +259,56 @@ class EngineTrainer(Engine):
         """Apply the run-folder rules and ``cfg.resume`` ("" = a new run, "auto" = continue this
         run's newest loadable checkpoint, or a checkpoint path); see :mod:`basetrainer.engine.resume`."""
         resume.prepare_run(self)
+
+    # ----------------------------------------------------------------------------- evaluate, predict
+    def evaluate(self, loader: Any = None, checkpoint: Optional[str] = None) -> Dict[str, Any]:
+        """Run the test phase with this trainer's callbacks (no training) and return the test
+        figures its recorders wrote, reduced over every rank: ``{"test/Accuracy": ..., "test/loss": ...}``.
+
+        Args:
+            loader: a DataLoader or a data set (default: the test loader of ``build_test_loader``).
+            checkpoint: load these weights first: a weights file (best or per-epoch), a resumable
+                ``last.pth``, or ``"auto"`` (the newest loadable checkpoint of this run's folder).
+
+        Raises:
+            ValueError: no test data (no ``build_test_loader`` loader and none given), a padding
+                DistributedSampler, a checkpoint that does not fit the model.
+            FileNotFoundError: the checkpoint does not exist.
+
+        Example::
+
+            figures = trainer.evaluate(checkpoint="work_space/model/last.pth")
+        """
+        return inference.evaluate(self, loader, checkpoint)
+
+    def predict(self, loader: Any, output: Optional[str] = None, checkpoint: Optional[str] = None,
+                transform: Optional[Callable] = None, batch_size: Optional[int] = None) -> Any:
+        """The outputs of :meth:`predict_step` for every sample, in dataset order, gathered from
+        every rank (no padding duplicate, no sample missing).
+
+        Args:
+            loader: a DataLoader that visits its data set in order (``build_dataloader(...,
+                phase="test")``, or a plain sequential one in one process), a data set, or a
+                folder of images (or one image; read with ``transform``, sorted by path).
+            output: a ``.npz``, ``.pt`` or ``.csv`` file: the outputs are streamed to it in
+                bounded memory (the main process writes; a folder's files are its ``id``s) and
+                its path is returned. None: the outputs are returned (on every rank).
+            checkpoint: load these weights first (see :meth:`evaluate`).
+            transform: for a folder (default: the test data set's ``transform``).
+            batch_size: the global batch for a data set or folder (default: ``cfg.batch_size``).
+
+        Returns:
+            The outputs in the structure ``predict_step`` gives (CPU tensors, one row per
+            sample), or the output file's path.
+
+        Raises:
+            ValueError: an output suffix other than .npz/.pt/.csv, a shuffled/padded/drop_last
+                loader, a file in the folder that is not an image, a checkpoint that does not fit.
+        """
+        return inference.predict(self, loader, output, checkpoint, transform, batch_size)
+
+    def predict_step(self, batch: Any) -> Any:
+        """One forward of :meth:`predict` (under no_grad, eval mode, autocast as in training):
+        ``self.model`` on the batch's inputs (a tensor, or the first entry of ``(inputs, ...)``).
+        Override to return other outputs (e.g. probabilities): tensors, or tuples/dicts of them."""
+        return inference.predict_step(self, batch)

@@ -1,0 +1,375 @@
+"""``evaluate()`` and ``predict()``: a trained model on a data set, exact over the ranks.
+
+:func:`evaluate` runs the test phase of the loop (``on_test_begin``, a forward of every test
+batch with ``on_test_summary``, ``on_test_end``) with the trainer's callbacks, so its recorders
+give their test figures reduced over every rank, as at the end of a training epoch; it returns
+them (``{"test/<indicator>": value}``). Nothing is trained and no checkpoint is written.
+
+:func:`predict` runs the model over a data set and returns one output per sample in dataset
+order: the test sampler's shards (rank r of W holds samples r, r + W, ...) are gathered round by
+round and interleaved back (:class:`~basetrainer.evaluation.ordered.OrderedCollector`), so no
+padding duplicate and no missing sample, whatever the number of ranks. With ``output=`` the
+rows are streamed, one round at a time, to a ``.npz``, ``.pt`` or ``.csv`` file written by the
+main process (:mod:`basetrainer.evaluation.writers`): memory does not grow with the data set.
+
+Both may first load weights (``checkpoint=``): a weights file (a best or per-epoch file), a
+resumable ``last.pth`` (its model weights), or ``"auto"``, the newest loadable checkpoint of the
+run's folder. Under ``strategy: fsdp`` every rank forwards as many times as the others (each
+forward gathers parameters from all of them).
+"""
+import logging
+import os
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
+
+from basetrainer.callbacks.callbacks import CallbackList
+from basetrainer.dataloader import loader as loaders
+from basetrainer.engine import preemption
+from basetrainer.engine.resume import _decided_by_main
+from basetrainer.evaluation import ordered, writers
+from basetrainer.runtime import checkpoint as checkpoints
+from basetrainer.runtime import comm, sharded, sharding
+from basetrainer.runtime.modules import ModelWithLoss
+from basetrainer.utils import torch_tools
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- evaluate
+def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None) -> Dict[str, Any]:
+    """Run the test phase over ``loader`` (default: the trainer's test loader) with the
+    trainer's callbacks and return the test figures they wrote (see the module's docstring).
+
+    Raises:
+        ValueError: no loader and no test loader, a loader that pads (a DistributedSampler
+            whose shards repeat samples), a checkpoint that does not fit the model.
+        FileNotFoundError: ``checkpoint`` does not exist.
+    """
+    name = type(engine).__name__
+    if loader is None:
+        loader = engine.test_loader
+        if loader is None:
+            raise ValueError(f"{name}.evaluate(): there is no test data: return a test loader from "
+                             f"build_test_loader (e.g. set test_data in the config), or pass one: "
+                             f"evaluate(loader=...)")
+    elif not isinstance(loader, DataLoader):
+        loader = _loader_of(engine, _as_dataset(loader, "evaluate(loader=...)", engine), None, "evaluate")
+    _refuse_padding(loader)
+    _check_model(engine, "evaluate")
+    if engine.criterion is None and _default_run_step(engine):
+        raise ValueError(f"{name}.evaluate(): the default run_step needs a criterion (the loss is a test "
+                         f"figure): return one from build_criterion, or override run_step")
+    if checkpoint:
+        load_checkpoint(engine, checkpoint)
+    logs: Dict[str, Any] = {}
+    saved = engine.test_loader, engine._callbacks, getattr(engine, "evaluating", False), engine.model.training
+    engine.test_loader = loader
+    engine._callbacks = CallbackList(list(engine.callbacks or []) + engine.extra_callbacks(), engine)
+    engine.evaluating = True
+    try:
+        preemption.shield_loader(loader)
+        engine.dispatch("on_test_begin", logs)
+        engine.run_test_epoch(engine.epoch, logs)
+        engine.dispatch("on_test_end", logs)
+    finally:
+        engine.test_loader, engine._callbacks, engine.evaluating, training = saved
+        engine.model.train(training)
+    figures = {k: v for k, v in logs.items() if k.startswith("test/")}
+    if not figures and comm.is_main_process():
+        logger.warning("%s.evaluate(): no callback wrote a test figure: add a recorder to build_callbacks "
+                       "(e.g. AccuracyRecorder(), LossesRecorder())", name)
+    return figures
+
+
+# ----------------------------------------------------------------------------- predict
+def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: Optional[str] = None,
+            transform: Optional[Callable] = None, batch_size: Optional[int] = None) -> Any:
+    """The model's outputs for every sample of ``loader``, in dataset order (see the module's
+    docstring); with ``output``, the path of the file they were written to.
+
+    Raises:
+        ValueError: an ``output`` suffix other than .npz/.pt/.csv, a loader that does not visit
+            its data set in order (shuffled, drop_last, padded), a folder holding a file that is
+            not an image, a checkpoint that does not fit the model.
+        FileNotFoundError: the folder or ``checkpoint`` does not exist.
+    """
+    if output is not None:
+        output = os.fspath(output)
+        suffix = os.path.splitext(output)[1].lower()
+        if suffix not in writers.FORMATS:
+            raise ValueError(f"predict(output={output!r}): cannot write {suffix or 'a file without a suffix'!r}; "
+                             f"name a {', '.join(writers.FORMATS)} file")
+    loader, names, built = _predict_loader(engine, loader, transform, batch_size)
+    _check_model(engine, "predict")
+    if checkpoint:
+        load_checkpoint(engine, checkpoint)
+    rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
+    writer = writers.open_writer(output) if output is not None and comm.is_main_process() else None
+    if writer is not None and names is not None:
+        writer = _WithIds(writer, names)
+    collector = ordered.OrderedCollector(dst=0 if output is not None else None, writer=writer)
+    wrapped, training = engine.model, engine.model.training
+    engine.model = _forward_model(wrapped)
+    engine.model.eval()
+    placeholder, result = None, [None]
+    try:
+        with torch.no_grad():
+            batches, error = preemption.start(loader), None
+            for _ in range(rounds):
+                outputs = None
+                if error is None:
+                    try:
+                        batch = next(batches, None)
+                        if batch is not None:
+                            outputs = _forward(engine, engine.to_device(batch))
+                            _check_outputs(outputs, collector)
+                        elif sharding.is_fsdp(engine.model):   # every rank forwards as often (FSDP all-gathers)
+                            placeholder = placeholder or _placeholder(engine, loader)
+                            _forward(engine, placeholder)
+                    except Exception as e:
+                        error = e
+                _agree(error)   # one collective a round: no rank waits for one that failed
+                error = _guarded(collector.add, outputs)   # a writer's failure: on the main process only
+            if error is None:
+                error = _guarded(lambda: result.__setitem__(0, collector.finish()))
+            _agree(error)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        engine.model = wrapped
+        engine.model.train(training)
+        if built:
+            preemption.end_workers(loader)
+    if output is None:
+        return result[0]
+    comm.synchronize()
+    return os.path.abspath(output)
+
+
+def predict_step(engine: Any, batch: Any) -> Any:
+    """The default forward of :func:`predict`: the model on the batch's inputs (a tensor, or the
+    first entry of a ``(inputs, ...)`` tuple/list, as the test loader gives them)."""
+    if isinstance(batch, torch.Tensor):
+        inputs = batch
+    elif isinstance(batch, (list, tuple)) and batch:
+        inputs = batch[0]
+    else:
+        raise TypeError(f"the default predict_step takes a tensor or (inputs, ...) batches, got a "
+                        f"{type(batch).__name__}: override {type(engine).__name__}.predict_step(self, batch) "
+                        f"-> outputs (tensors, or tuples/dicts of them, one row per sample)")
+    return engine.model(inputs)
+
+
+class _WithIds:
+    """A writer that adds each row's name (its file), counting the rows written so far."""
+
+    def __init__(self, writer: writers.PredictionWriter, names: Callable[[int], str]) -> None:
+        self.writer, self.names, self.done = writer, names, 0
+
+    def write(self, outputs: Any) -> None:
+        n = len(next(iter(ordered.flatten(outputs)[0].values())))
+        self.writer.write(outputs, ids=[self.names(i) for i in range(self.done, self.done + n)])
+        self.done += n
+
+    def close(self) -> str:
+        return self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def _forward(engine: Any, batch: Any) -> Any:
+    with engine.autocast():
+        step = getattr(engine, "predict_step", None)
+        return step(batch) if step is not None else predict_step(engine, batch)
+
+
+def _check_outputs(outputs: Any, collector: ordered.OrderedCollector) -> None:
+    """What the collector would refuse, refused before its collective (on this rank alone)."""
+    named, _ = ordered.flatten(outputs)
+    if collector.sig is not None and ordered.signature(named) != collector.sig:
+        raise ValueError(f"predict(): the outputs changed structure, dtype or row shape between batches: "
+                         f"{ordered.signature(named)} after {collector.sig}")
+
+
+def _guarded(fn: Callable, *args: Any) -> Optional[BaseException]:
+    try:
+        fn(*args)
+    except Exception as e:
+        return e
+    return None
+
+
+def _agree(error: Optional[BaseException]) -> None:
+    """Raise on every rank when one failed (its error there, the same message on the others), so
+    that no rank waits in a collective for one that left."""
+    if comm.get_world_size() == 1 or not comm.any_true(error is not None):
+        if error is not None:
+            raise error
+        return
+    messages = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise RuntimeError(f"predict() failed on rank {rank}: {message}")
+
+
+def _forward_model(model: nn.Module) -> nn.Module:
+    """The module predict forwards through: DDP's forward may talk to the other ranks (which hold
+    a different number of batches), so its module; a DataParallel(ModelWithLoss) needs targets,
+    so a DataParallel of the model alone."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module
+    if isinstance(model, nn.DataParallel) and isinstance(model.module, ModelWithLoss):
+        return nn.DataParallel(model.module.model, device_ids=model.device_ids)
+    return model
+
+
+def _placeholder(engine: Any, loader: DataLoader) -> Any:
+    dataset = loader.dataset
+    collate = loader.collate_fn or torch.utils.data.default_collate
+    return engine.to_device(collate([dataset[0]]))
+
+
+# ----------------------------------------------------------------------------- loaders
+def _predict_loader(engine: Any, loader: Any, transform: Optional[Callable],
+                    batch_size: Optional[int]) -> tuple:
+    """``(loader, names of samples or None, built here)``."""
+    if isinstance(loader, (str, os.PathLike)):
+        from basetrainer.dataloader.image_files import ImageFiles
+
+        transform = transform if transform is not None else _test_transform(engine)
+        if transform is None:
+            raise ValueError(f"predict({os.fspath(loader)!r}): the images need the test transform, and the "
+                             f"trainer's test loader has none (no test loader, or its data set has no .transform): "
+                             f"give predict(folder, transform=...)")
+        files = ImageFiles(os.fspath(loader), transform=transform, key="predict")
+        return _loader_of(engine, files, batch_size, "predict"), files.relative, True
+    if not isinstance(loader, DataLoader):
+        return _loader_of(engine, _as_dataset(loader, "predict(loader)", engine), batch_size, "predict"), None, True
+    _check_in_order(loader)
+    return loader, None, False
+
+
+def _as_dataset(value: Any, what: str, engine: Any) -> Dataset:
+    if isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__")):
+        return value
+    raise TypeError(f"{what}: got a {type(value).__name__}; give a DataLoader, a data set"
+                    + (" or a folder of images" if what.startswith("predict") else ""))
+
+
+def _loader_of(engine: Any, dataset: Dataset, batch_size: Optional[int], what: str) -> DataLoader:
+    """A test loader (every rank a shard, no padding) of ``dataset``, with the config's global
+    batch size and workers."""
+    cfg = engine.cfg if engine.cfg is not None and hasattr(engine.cfg, "get") else {}
+    size = batch_size or cfg.get("batch_size")
+    if not size:
+        raise ValueError(f"{what}(): give batch_size= (the global batch) to load a data set")
+    return loaders.build_dataloader(dataset, int(size), int(cfg.get("num_workers") or 0), phase="test",
+                                    shuffle=False, pin_memory=engine.device.type == "cuda", seed=engine.seed)
+
+
+def _check_in_order(loader: DataLoader) -> None:
+    """predict's loader must visit every sample of its data set once, in order (rank r of W its
+    shard r, r + W, ...): a SequentialSampler in one process, or build_dataloader's test shards."""
+    world = comm.get_world_size()
+    sampler, batches = loader.sampler, loader.batch_sampler
+    fix = ("pass the data set itself (predict builds its loader), or build the loader with "
+           "build_dataloader(dataset, batch_size, phase='test', shuffle=False)")
+    if batches is not None and (type(batches) is not BatchSampler or batches.drop_last):
+        why = "drops its last incomplete batch" if getattr(batches, "drop_last", False) else \
+            f"batches samples with a {type(batches).__name__}"
+        raise ValueError(f"predict(loader): the loader {why}, so samples would be missing or out of order: {fix}")
+    if isinstance(sampler, loaders.ShardSampler):
+        if sampler.num_replicas == world and sampler.num_samples_total == len(loader.dataset):
+            return
+    elif isinstance(sampler, SequentialSampler) and world == 1:
+        return
+    raise ValueError(f"predict(loader): its {type(sampler).__name__} does not give every sample of the data set "
+                     f"once, in order, over the {world} process(es) (shuffled, padded, a subset, or not sharded "
+                     f"for this world size): {fix}")
+
+
+def _refuse_padding(loader: Any) -> None:
+    """A DistributedSampler pads the data set to a multiple of the ranks: those samples would
+    count twice in the figures."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and sampler.total_size != len(sampler.dataset):
+        raise ValueError(f"evaluate(loader): its DistributedSampler pads {len(sampler.dataset)} samples to "
+                         f"{sampler.total_size}, so the figures would count samples twice: build it with "
+                         f"build_dataloader(dataset, batch_size, phase='test') (exact shards, no padding)")
+
+
+def _test_transform(engine: Any) -> Optional[Callable]:
+    """The ``transform`` of the trainer's test data set (looking through wrappers)."""
+    dataset = getattr(engine.test_loader, "dataset", None)
+    for _ in range(8):
+        if dataset is None:
+            return None
+        if getattr(dataset, "transform", None) is not None:
+            return dataset.transform
+        inner = getattr(dataset, "datasets", None)
+        dataset = inner[0] if inner else getattr(dataset, "dataset", None)
+    return None
+
+
+def _check_model(engine: Any, what: str) -> None:
+    if engine.model is None:
+        raise RuntimeError(f"{type(engine).__name__}.{what}(): no model; build it (build_model) first")
+
+
+def _default_run_step(engine: Any) -> bool:
+    from basetrainer.engine.engine import Engine
+
+    return getattr(type(engine), "run_step", None) is Engine.run_step
+
+
+# ----------------------------------------------------------------------------- weights
+def load_checkpoint(engine: Any, checkpoint: str) -> str:
+    """Load the model weights of ``checkpoint`` into ``engine.model`` (every rank calls it):
+    a weights file, a resumable checkpoint (its ``model``; a sharded one's shards), or
+    ``"auto"``: the newest loadable checkpoint of the run's folder. Only the weights: the
+    optimizer, the position and the callbacks' states are left as they are. Returns the path.
+
+    Raises:
+        FileNotFoundError: no such file, or no checkpoint in the run's folder (``"auto"``).
+        ValueError: a damaged file, or weights that do not fit the model (names what differs).
+    """
+    path = _decided_by_main(lambda: _find(engine, os.fspath(checkpoint))) if checkpoint == "auto" else \
+        os.fspath(checkpoint)
+    state = checkpoints.load_file(path)
+    model = engine.unwrapped_model
+    source = f"checkpoint={path!r}"
+    try:
+        if isinstance(state, dict) and state.get("shards"):
+            state = sharded.load(state, os.path.dirname(os.path.abspath(path)), sharding.mesh_of(model))
+            sharding.load_state(model, None, state, full=False)
+        elif sharding.is_fsdp(model):
+            sharding.load_state(model, None, {"model": checkpoints.extract_state_dict(state, source)}, full=True)
+        else:
+            torch_tools.load_weights(model, state, strict=True, source=source)
+    except (RuntimeError, KeyError) as e:
+        raise ValueError(f"{source} does not fit the model {type(model).__name__} (another architecture or "
+                         f"number of classes?): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    if comm.is_main_process():
+        logger.info("loaded the weights of %s", path)
+    return path
+
+
+def _find(engine: Any, checkpoint: str) -> str:
+    folder = engine.checkpointer.folder()
+    if folder is None:
+        raise ValueError("checkpoint='auto' looks in the run's checkpoint folder, and this trainer has none: "
+                         "set work_dir or add a ModelCheckpoint, or give the checkpoint's path")
+    found = folder.find_resumable()
+    if found is None:
+        raise FileNotFoundError(f"checkpoint='auto': {folder.folder} holds no checkpoint (last.pth, last.prev.pth): "
+                                f"train first, or give a weights file's path")
+    return found[0]

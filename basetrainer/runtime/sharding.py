@@ -15,7 +15,7 @@ import ctypes
 import logging
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -358,31 +358,43 @@ def _retie_buffers(model: nn.Module, shared: List[List[str]]) -> None:
             (model.get_submodule(owner) if owner else model)._buffers[attr] = tensor
 
 
-def _full_weights(model: nn.Module) -> dict:
-    """Rank 0's parameters and buffers by name, before sharding replaces them."""
-    out = dict(model.named_parameters())
-    out.update(dict(model.named_buffers()))
-    return {k: v.detach() for k, v in out.items()}
+def _full_weights(model: nn.Module) -> Tuple[dict, dict]:
+    """Rank 0's ``state_dict()`` and its non-persistent buffers by name (those no state_dict
+    holds), before sharding replaces them."""
+    return ({k: v.detach() for k, v in model.state_dict().items()},
+            {name: buf.detach() for name, buf in _non_persistent_buffers(model)})
 
 
-def _scatter_from_rank0(model: nn.Module, full: Optional[dict], device: torch.device) -> None:
-    """Give every rank its shard of rank 0's weights (a scatter per parameter, one at a time;
-    the other ranks pass an uninitialised full-size buffer, which ``distribute_tensor`` needs
-    for the shape and never fills) and rank 0's buffers (a broadcast)."""
+def _non_persistent_buffers(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    found, seen = [], set()
+    for prefix, module in model.named_modules():
+        for attr in sorted(module._non_persistent_buffers_set):
+            buf = module._buffers.get(attr)
+            if buf is not None and id(buf) not in seen:
+                seen.add(id(buf))
+                found.append((f"{prefix}.{attr}" if prefix else attr, buf))
+    return found
+
+
+def _scatter_from_rank0(model: nn.Module, full: Optional[Tuple[dict, dict]], device: torch.device) -> None:
+    """Give every rank rank 0's weights: what ``state_dict()`` holds through torch's
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` (each rank keeps
+    its shard of every parameter, and the buffers), and the non-persistent buffers by a
+    broadcast here: torch's function loads a state_dict only, and measured without this step
+    the ``pos`` table of tests/test_fsdp_defects.py's SharedBufferNet (registered with
+    ``persistent=False``) stayed as ``to_empty`` left it, 2e17 from the one-process weights."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    state, others = full if full is not None else ({}, {})
+    # the other ranks run this inside construct()'s torch.device("meta"): the library makes
+    # tensors without a device (shard offsets), which would land on meta
+    with torch.device(device):
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not isinstance(param, DTensor):
-                continue
-            source = full[name].to(device) if full is not None else torch.empty(param.shape, dtype=param.dtype,
-                                                                                 device=device)
-            shard_ = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
-            param.to_local().copy_(shard_.to_local())
-        for name, buf in model.named_buffers():
+        for name, buf in _non_persistent_buffers(model):
             if full is not None:
-                buf.copy_(full[name].to(device))
+                buf.copy_(others[name].to(device))
             if comm.get_world_size() > 1:
                 dist.broadcast(buf, src=0)
 

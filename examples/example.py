@@ -9,6 +9,12 @@ once as an ImageFolder under data/digits:
     torchrun --nproc_per_node 2 examples/example.py --distributed
     python examples/example.py --distributed --gpu_id 0 1 --strategy fsdp   # model sharded (FSDP2)
     python examples/example.py --train_data my/train --test_data my/val --net_type mobilenet_v2
+
+With trained weights (``--resume auto``: this work_dir's newest checkpoint; ``--resume`` or
+``--finetune`` a .pth file), it evaluates or predicts instead of training:
+
+    python examples/example.py --eval_only --resume auto            # test figures of the run in work_space
+    python examples/example.py --predict my/images --resume auto    # writes work_space/predict/predictions.csv
 """
 import argparse
 import os
@@ -40,7 +46,7 @@ class ClassificationTrainer(trainer.EngineTrainer):
         super().__init__(cfg)
         cfg.model_root = os.path.join(cfg.work_dir, "model")
         cfg.log_root = os.path.join(cfg.work_dir, "log")
-        if self.is_main_process:
+        if self.is_main_process and not (cfg.get("eval_only") or cfg.get("predict")):   # training writes its run
             file_utils.create_dir(cfg.model_root)
             file_utils.create_dir(cfg.log_root)
             file_utils.copy_file_to_dir(cfg.config_file, cfg.work_dir)
@@ -115,7 +121,38 @@ class ClassificationTrainer(trainer.EngineTrainer):
         ]
 
 
+    def predict_step(self, batch):
+        """predict()'s rows: the class and the probabilities (a CSV: index, id, class, probs_0, ...)."""
+        probs = super().predict_step(batch).float().softmax(dim=1)
+        return {"class": probs.argmax(dim=1), "probs": probs}
+
+
+def use_trained(cfg):
+    """--eval_only / --predict: evaluate or predict with the weights of --resume or --finetune."""
+    weights = cfg.resume or None
+    if not weights and not cfg.finetune:
+        raise ValueError("--eval_only and --predict use trained weights: give --resume auto (the newest checkpoint "
+                         "of --work_dir), --resume <a .pth file>, or --finetune <a weights file>")
+    t = ClassificationTrainer(cfg)
+    figures = None
+    if cfg.eval_only:
+        figures = t.evaluate(checkpoint=weights)
+        weights = None   # loaded
+        if t.is_main_process:
+            print("evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in figures.items() if isinstance(v, float))
+                  + f" ({len(t.test_loader.dataset)} test samples)", flush=True)
+    if cfg.predict:
+        out = cfg.predict_output or os.path.join(cfg.work_dir, "predict", "predictions.csv")
+        path = t.predict(cfg.predict, output=out, checkpoint=weights)
+        if t.is_main_process:
+            print(f"predictions: {path} (columns index, id, class, probs_0..probs_{cfg.num_classes - 1}; "
+                  f"classes {list(cfg.classes)})", flush=True)
+    return figures
+
+
 def main(cfg):
+    if cfg.get("eval_only") or cfg.get("predict"):
+        return use_trained(cfg)
     t = ClassificationTrainer(cfg)
     history = t.run()
     if t.is_main_process and history.last is not None:
@@ -170,6 +207,12 @@ def get_parser():
     parser.add_argument("--loggers", nargs="+", default=["tensorboard", "csv"],
                         help="where the figures go: tensorboard csv mlflow wandb (mlflow/wandb: "
                              "pip install \"basetrainer[mlflow]\" / \"basetrainer[wandb]\")")
+    parser.add_argument("--eval_only", action="store_true",
+                        help="evaluate the weights of --resume (auto or a .pth) or --finetune on --test_data; no training")
+    parser.add_argument("--predict", default="", help="a folder of images (or an image): write the model's "
+                        "predictions with the weights of --resume or --finetune; no training")
+    parser.add_argument("--predict_output", default="",
+                        help="--predict's file (.csv, .npz or .pt; default <work_dir>/predict/predictions.csv)")
     parser.add_argument("--mlflow_uri", default="", help="MLflow tracking URI (default sqlite:///<work_dir>/mlflow.db)")
     return parser
 

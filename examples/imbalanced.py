@@ -62,6 +62,9 @@ def main(argv=None):
     parser.add_argument("--minority", nargs="+", default=["0", "1", "2"], help="classes cut to --keep of their images")
     parser.add_argument("--keep", type=float, default=0.1, help="fraction of a minority class's images kept")
     args = parser.parse_args(argv)
+    if args.eval_only or args.predict:   # example.py's flags: one run's, not this comparison's
+        parser.error("--eval_only and --predict take one trained run: python examples/example.py --eval_only "
+                     "--resume auto --work_dir <work_dir>/imbalanced/balance_<value> (and this run's other flags)")
     balances = args.balances
     base = setup_config.parser_config(args, cfg_updata=True, parser=parser, argv=argv)
     if not base.train_data:   # the bundled digits, made on first use

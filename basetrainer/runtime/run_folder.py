@@ -41,10 +41,29 @@ def _started_at(pid: int) -> Optional[int]:
 
 
 def write_marker(folder: str, run_id: str) -> None:
+    """Mark ``folder`` as this process's run. The liveness check and the write are one step
+    (under a lock on the folder): two runs started in the same instant both passed the check
+    before either wrote, and both trained into the folder.
+
+    Raises:
+        RuntimeError: another process's run marked ``folder`` and is still training.
+    """
     pid = os.getpid()
     text = json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": pid,
                        "host": socket.gethostname(), "pid_started": _started_at(pid)})
-    atomic.write_atomically(text, os.path.join(folder, MARKER))
+    try:
+        import fcntl
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):   # no flock (Windows) or no folder yet: the check alone
+        fcntl, fd = None, -1
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        check_not_running(folder)
+        atomic.write_atomically(text, os.path.join(folder, MARKER))
+    finally:
+        if fd >= 0:
+            os.close(fd)   # releases the lock
 
 
 def mark_ended(folder: str) -> None:

@@ -37,7 +37,8 @@ from griffe_rst import roles_to_markdown  # noqa: E402  (docs/griffe_rst.py, bes
 # A module that does not exist in this checkout gets no page (its group is left out if empty).
 API_GROUPS: List[Tuple[str, List[str]]] = [
     ("Trainer and loop", ["basetrainer", "basetrainer.engine.trainer", "basetrainer.engine.engine",
-                          "basetrainer.engine.checkpointer", "basetrainer.engine.launch",
+                          "basetrainer.engine.checkpointer", "basetrainer.engine.inference",
+                          "basetrainer.engine.launch",
                           "basetrainer.engine.history"]),
     ("Callbacks", ["basetrainer.callbacks.callbacks", "basetrainer.callbacks.log_history",
                    "basetrainer.callbacks.model_checkpoint", "basetrainer.callbacks.recorder",
@@ -79,6 +80,7 @@ KEY_PAGES: Dict[str, str] = {
     "amp": "training-options.md", "accumulate_steps": "training-options.md",
     "clip_grad_norm": "training-options.md", "channels_last": "training-options.md",
     "compile": "training-options.md", "progress": "callbacks.md#progress-bars",
+    "balance": "evaluate.md#class-imbalance-balance-and-dataresample",
 }
 
 INSTALL_PAGE = "install.md"

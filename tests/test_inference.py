@@ -19,7 +19,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 
-from conftest import ROOT, ToyTrainer, blobs, make_image_folder, toy_cfg
+from conftest import ROOT, ToyTrainer, blobs, make_image_folder, run_distributed, toy_cfg
 
 PY = sys.executable
 TESTS = os.path.join(ROOT, "tests")
@@ -200,7 +200,8 @@ SCRIPT = textwrap.dedent("""
             files = {{ext: t.predict(t.test_loader, output=os.path.join(work, strategy + "." + ext))
                      for ext in ("npz", "pt", "csv")}}
             files["images"] = t.predict(images, output=os.path.join(work, strategy + "_images.csv"), transform=flat16)
-            results[strategy] = {{"figures": figures, "outputs": outputs, "files": files,
+            one = t.predict(os.path.join(images, "a", "0.png"), transform=flat16)   # fewer samples than ranks
+            results[strategy] = {{"figures": figures, "outputs": outputs, "files": files, "one": one,
                                   "test_batches": len(t.test_loader), "world": comm.get_world_size()}}
         torch.save(results, os.path.join(work, "rank%d.pt" % comm.get_rank()))
 
@@ -217,6 +218,7 @@ def _reference(tmp_path, weights, images):
     for ext in ("npz", "pt", "csv"):
         out[ext] = t.predict(t.test_loader, output=str(tmp_path / f"one.{ext}"))
     out["images"] = t.predict(images, output=str(tmp_path / "one_images.csv"), transform=flat16)
+    out["one"] = t.predict(os.path.join(images, "a", "0.png"), transform=flat16)
     return out
 
 
@@ -243,12 +245,32 @@ def test_evaluate_and_predict_over_2_and_3_ranks_equal_one_process(tmp_path, pro
             assert r["figures"]["test/Accuracy"] == one["figures"]["test/Accuracy"]   # counts: exact
             assert r["figures"]["test/loss"] == pytest.approx(one["figures"]["test/loss"], rel=1e-6, abs=0)
             assert torch.equal(r["outputs"], one["outputs"]), (strategy, rank)        # every rank, bit for bit
+            assert r["one"].shape == (1, 4) and torch.equal(r["one"], one["one"])
     for strategy in ("ddp", "fsdp"):
         assert np.array_equal(np.load(work / f"{strategy}.npz")["output"], np.load(one["npz"])["output"])
         assert torch.equal(torch.load(work / f"{strategy}.pt", weights_only=True), torch.load(one["pt"], weights_only=True))
         assert (work / f"{strategy}.csv").read_text() == open(one["csv"]).read()
         assert (work / f"{strategy}_images.csv").read_text() == open(one["images"]).read()
     assert len(_csv(one["csv"])) == 1 + N_TEST and len(_csv(one["images"])) == 1 + 12
+
+
+def _predict_with_a_broken_image(rank, root, output):
+    t = RowTrainer(_cfg(distributed=True, gpu_id=[0, 1]), callbacks=_recorders())
+    try:
+        t.predict(root, output=output, transform=flat16)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_inside_predict_makes_every_rank_raise_instead_of_waiting(tmp_path):
+    root = _images(tmp_path)
+    (tmp_path / "images" / "a" / "1.png").write_bytes(b"not a png")   # sample 1: rank 1's first batch
+    messages = run_distributed(_predict_with_a_broken_image, 2, tmp_path, root, str(tmp_path / "p.csv"), timeout=120)
+    assert "1.png" in messages[1] and "no error" not in messages[1]
+    assert messages[0].startswith("RuntimeError: predict() failed on rank 1: ") and "1.png" in messages[0]
+    assert not os.path.exists(tmp_path / "p.csv") and not [f for f in os.listdir(tmp_path) if ".part" in f]
 
 
 # ----------------------------------------------------------------------------- bounded memory

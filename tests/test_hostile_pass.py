@@ -48,3 +48,140 @@ def test_two_runs_started_together_do_not_both_claim_the_folder(tmp_path, monkey
     finally:
         other.kill()
         other.wait()
+
+
+_TRICKLE_CHILD = r"""
+import sys, logging
+sys.path.insert(0, {root!r})
+logging.basicConfig(level=logging.WARNING)
+from tests.conftest import ToyTrainer, toy_cfg
+from basetrainer.callbacks.log_history import LogHistory
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+class T(ToyTrainer):
+    def build_callbacks(self, cfg, **kwargs):
+        return [LossesRecorder("loss"), LogHistory(cfg.work_dir + "/log", log_freq=2, is_main_process=True),
+                MLflowLogger(uri={uri!r}, timeout=1)]
+
+T(toy_cfg(work_dir={work_dir!r}, num_epochs=1)).run()
+print("TRAINED")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a tracking server that answers the probe, then sends its answers a byte at a "
+                                       "time, stalls on_train_begin without end: MLflow's timeout bounds each read, "
+                                       "not the request (seen: 12 min, and timeout's SIGTERM was not honoured)")
+def test_a_trickling_mlflow_server_costs_seconds_not_forever(tmp_path):
+    """A server that answers the reachability probe's HEAD at once, then drips one byte of every
+    other answer each 0.5 s. The run must warn and train within a bounded time (here 60 s for
+    timeout=1 s; the slowest dead-server case, accept-and-never-answer, costs about 2 timeouts)."""
+    import socket
+    import threading
+    import time
+
+    pytest.importorskip("mlflow")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def answer(conn):
+        with conn:
+            try:
+                first = conn.recv(65536).split(b"\r\n", 1)[0]
+                if first.startswith(b"HEAD / "):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    return
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100000:
+                    if stop.is_set():
+                        return
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.5)
+            except OSError:
+                pass
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+    code = _TRICKLE_CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), uri=uri,
+                                 work_dir=str(tmp_path / "run"))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    finally:
+        stop.set()
+        server.close()
+    assert child.returncode == 0 and "TRAINED" in out, err[-2000:]
+    assert "MLflowLogger" in err and "training goes on" in err
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 256 KB tmpfs (needs root, as the disk-full tests do)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield str(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_during_onnx_export_names_the_out_dir_not_the_staging_folder(tiny_tmpfs):
+    """The DiskFullError of a full disk during the ONNX export named the hidden staging folder
+    (/out/.export-tmp-<host>-<pid>-xxxx), which is removed before the user reads the message; it
+    must name the folder the user gave (out_dir)."""
+    pytest.importorskip("onnx")
+    import torch
+    from torch import nn
+
+    from basetrainer.deploy import files
+    from basetrainer.deploy.onnx_format import write_onnx
+    from basetrainer.runtime.atomic import DiskFullError
+
+    out_dir = os.path.join(tiny_tmpfs, "out")
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Flatten(), nn.LazyLinear(256)).eval()
+    model(torch.zeros(1, 3, 8, 8))   # about 900 KB of weights: more than the disk holds
+    with files.staging(out_dir) as stage:
+        with pytest.raises(DiskFullError) as raised:
+            write_onnx(model, stage.path("m.onnx"), (1, 3, 8, 8), exporter="torchscript")
+    assert f"no space left in {out_dir} " in str(raised.value)
+    assert ".export-tmp-" not in str(raised.value)
+    assert os.listdir(out_dir) == []   # nothing at the final path, the staging folder gone
+
+
+def test_a_metric_whose_update_needs_a_keyword_argument_is_refused_when_built():
+    """``update(self, preds, *, target)``: the recorder passed the outputs alone and the first
+    step failed inside the metric with a bare "update() missing 1 required keyword-only
+    argument: 'target'", naming neither the recorder nor a fix."""
+    torch = pytest.importorskip("torch")
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from basetrainer.metric.metric_recorder import MetricRecorder
+
+    class KeywordTarget(torchmetrics.Metric):
+        def __init__(self):
+            super().__init__()
+            self.add_state("hits", torch.tensor(0.0), dist_reduce_fx="sum")
+
+        def update(self, preds, *, target):
+            self.hits += (preds.argmax(1) == target).sum()
+
+        def compute(self):
+            return self.hits
+
+    with pytest.raises(TypeError, match=r"MetricRecorder 'hits'.*KeywordTarget\.update.*\btarget\b.*FunctionRecorder"):
+        MetricRecorder(KeywordTarget(), "hits")

@@ -81,7 +81,8 @@ def write_onnx(model: nn.Module, path: str, input_shape: Sequence[int], input_na
     except Exception as e:   # the exporters raise many types; one message names the way out
         folder = os.path.dirname(os.path.abspath(path))
         if atomic.space_error(e) is not None or _short_write(e, folder):
-            raise atomic.DiskFullError(errno.ENOSPC, f"no space left in {folder} for the ONNX file of "
+            shown = os.path.dirname(folder) if os.path.basename(folder).startswith(".export-tmp-") else folder
+            raise atomic.DiskFullError(errno.ENOSPC, f"no space left in {shown} for the ONNX file of "
                                                      f"{type(model).__name__}; free space or pass another out_dir") from e
         other = "torchscript" if kind == "dynamo" else "dynamo"
         raise ExportError(f"torch's {kind} ONNX exporter failed on {type(model).__name__}: "

@@ -104,6 +104,17 @@ def update_driver(members: Sequence[Tuple[str, Any]], label: str, reads: Optiona
     if reads is not None and transform is not None:
         raise ValueError(f"{label}: reads={reads!r} and transform are given; the transform's return is what the "
                          f"update takes: give one of them, not both")
+    for name, m in members:   # the recorder passes positional arguments only
+        try:
+            keywords = [p.name for p in inspect.signature(m.update).parameters.values()
+                        if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        except (TypeError, ValueError):
+            keywords = []
+        if keywords:
+            raise TypeError(f"{label}: {update_signature(m)} also requires the keyword argument(s) "
+                            f"{', '.join(keywords)}, which MetricRecorder cannot pass (it calls update with "
+                            f"positional arguments): make them positional or give them a default, or record the "
+                            f"figure with a FunctionRecorder")
     arities = [(name, m, update_arity(m)) for name, m in members]
     taken = {name: inputs_taken(arity) for name, m, arity in arities}
     if transform is not None:

@@ -273,6 +273,34 @@ def test_a_rank_that_fails_inside_predict_makes_every_rank_raise_instead_of_wait
     assert not os.path.exists(tmp_path / "p.csv") and not [f for f in os.listdir(tmp_path) if ".part" in f]
 
 
+def _evaluate_sharded_checkpoint(rank, work):
+    from fsdp_common import BlockTrainer, fsdp_cfg
+
+    ckpt = ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss")
+    history = BlockTrainer(fsdp_cfg(strategy="fsdp", work_dir=work, num_epochs=1), callbacks=_recorders() + [ckpt]).run()
+    fresh = BlockTrainer(fsdp_cfg(strategy="fsdp", work_dir=work, num_epochs=1, resume="auto"), callbacks=_recorders())
+    untrained = fresh.evaluate()
+    return ({k: v for k, v in history.last.items() if k.startswith("test/")}, untrained,
+            fresh.evaluate(checkpoint=os.path.join(work, "model", "last.pth")), fresh.evaluate(checkpoint="auto"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_sharded_last_pth_is_evaluated_under_fsdp_and_in_one_process(tmp_path):
+    from fsdp_common import BlockTrainer, fsdp_cfg
+
+    work = str(tmp_path / "w")
+    results = run_distributed(_evaluate_sharded_checkpoint, 2, tmp_path, work, timeout=240)
+    last = results[0][0]
+    assert any(f.startswith("last-shards-") for f in os.listdir(os.path.join(work, "model")))   # a sharded save
+    for trained, untrained, from_last, from_auto in results:
+        assert trained == last and untrained != last and from_last == last and from_auto == last
+    one = BlockTrainer(fsdp_cfg(work_dir=work, num_epochs=1, resume="auto", distributed=False), callbacks=_recorders())
+    figures = one.evaluate(checkpoint=os.path.join(work, "model", "last.pth"))   # the shards read whole
+    assert figures["test/Accuracy"] == last["test/Accuracy"]
+    assert figures["test/loss"] == pytest.approx(last["test/loss"], rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- bounded memory
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -13,8 +13,8 @@ once as an ImageFolder under data/digits:
 With trained weights (``--resume auto``: this work_dir's newest checkpoint; ``--resume`` or
 ``--finetune`` a .pth file), it evaluates or predicts instead of training:
 
-    python examples/example.py --eval_only --resume auto            # test figures of the run in work_space
-    python examples/example.py --predict my/images --resume auto    # writes work_space/predict/predictions.csv
+    python examples/example.py --eval_only --resume auto            # test figures of the run in work_dir
+    python examples/example.py --predict my/images --resume auto    # writes <work_dir>/predict/predictions.csv
 """
 import argparse
 import os
@@ -133,6 +133,7 @@ def use_trained(cfg):
     if not weights and not cfg.finetune:
         raise ValueError("--eval_only and --predict use trained weights: give --resume auto (the newest checkpoint "
                          "of --work_dir), --resume <a .pth file>, or --finetune <a weights file>")
+    cfg.resume = "auto"   # no new run starts: the trainer must not refuse a work_dir that holds one
     t = ClassificationTrainer(cfg)
     figures = None
     if cfg.eval_only:

@@ -477,6 +477,10 @@ def test_the_example_evaluates_and_predicts_a_trained_run(tmp_path):
     assert code == 0, out[-3000:]
     figure = next(line for line in out.splitlines() if line.startswith("evaluate: "))
     assert f"test/Accuracy {expected:.4f}" in figure and "(12 test samples)" in figure, figure
+    best = next(f for f in os.listdir(os.path.join(work, "model")) if f.startswith("best_model_"))
+    code, out = example("--eval_only", "--finetune", os.path.join(work, "model", best))   # the run's folder is not refused
+    assert code == 0, out[-3000:]
+    assert "evaluate: test/Accuracy" in out
     code, out = example("--predict", val, "--resume", "auto")
     assert code == 0, out[-3000:]
     path = os.path.join(work, "predict", "predictions.csv")

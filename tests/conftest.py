@@ -1,10 +1,17 @@
 """Toys shared by the tests: tiny models, in-memory data, a recording callback, a toy trainer,
-image folders on disk, and a helper that runs a function in N gloo processes on 127.0.0.1."""
+image folders on disk, the one weight comparison (:func:`weight_diff`), the one way to train a
+script in a subprocess (:func:`script_fixture`, :func:`run_script`, :func:`start_script`), and a
+helper that runs a function in N gloo processes on 127.0.0.1.
+
+Markers: a test that starts processes (gloo ranks, launchers, scripts in subprocesses) is marked
+``distributed``; one that trains for more than a few seconds ``slow``. ``pytest -m "not slow and
+not distributed"`` is the quick loop; CI runs everything."""
 import os
 import socket
+import subprocess
 import sys
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import pytest
 import torch
@@ -151,6 +158,61 @@ def make_image_folder(root: str, classes: List[str], per_class: int = 4, size: i
     return root
 
 
+Weights = Union[nn.Module, Dict[str, torch.Tensor]]
+
+
+def weight_diff(a: Weights, b: Weights) -> float:
+    """The largest absolute difference between two models' weights (modules or state dicts,
+    compared in float64; NaN where either holds NaN, so ``weight_diff(...) <= tol`` fails then).
+
+    Fails the test when the names or shapes differ. ``== 0.0`` is bitwise equality of values.
+    """
+    a = a.state_dict() if isinstance(a, nn.Module) else a
+    b = b.state_dict() if isinstance(b, nn.Module) else b
+    assert a.keys() == b.keys(), f"weights differ in names: only in a {sorted(a.keys() - b.keys())}, " \
+                                 f"only in b {sorted(b.keys() - a.keys())}"
+    worst = 0.0
+    for k in a:
+        x, y = torch.as_tensor(a[k]).detach().cpu(), torch.as_tensor(b[k]).detach().cpu()
+        assert x.shape == y.shape, f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+        if x.numel():
+            d = float((x.double() - y.double()).abs().max())
+            if d != d:
+                return d
+            worst = max(worst, d)
+    return worst
+
+
+def script_fixture(text: str, name: str) -> Any:
+    """A module-scoped fixture: the path of ``text`` written as ``name`` in a fresh temporary
+    folder (``{tests}`` and ``{root}`` in ``text`` become the tests folder and the repository,
+    for the script's ``sys.path``; write other braces doubled). Use: ``script =
+    script_fixture(SCRIPT, "train_toy.py")`` at module level, then :func:`run_script`."""
+    @pytest.fixture(scope="module")
+    def script(tmp_path_factory: Any) -> str:
+        path = tmp_path_factory.mktemp("script") / name
+        path.write_text(text.format(tests=os.path.join(ROOT, "tests"), root=ROOT))
+        return str(path)
+
+    return script
+
+
+def run_script(script: str, *args: Any, env: Optional[Dict[str, str]] = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python script args...`` with this interpreter, to its end (output captured as text);
+    a run longer than ``timeout`` seconds fails the test (subprocess.TimeoutExpired)."""
+    return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def start_script(script: str, *args: Any, env: Optional[Dict[str, str]] = None,
+                 new_session: bool = False) -> subprocess.Popen:
+    """``python script args...`` started and not waited for (pipes for its output, text), in
+    its own process group with ``new_session`` (as under SLURM: signals go to the group)."""
+    return subprocess.Popen([sys.executable, script, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=new_session)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -211,6 +273,38 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Any, *args: Any, ti
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_marker(request: Any, monkeypatch: Any) -> None:
+    """With ``BASETRAINER_CHECK_MARKERS=1``: a test not marked ``distributed`` that starts a
+    process (a subprocess, or a multiprocessing process other than a DataLoader worker or a
+    fork server) fails, naming it, so the quick loop stays quick. Off by default; processes
+    started by a module- or session-scoped fixture happen before it and are not seen."""
+    if os.environ.get("BASETRAINER_CHECK_MARKERS") != "1" or request.node.get_closest_marker("distributed"):
+        return
+    import multiprocessing.process
+
+    where = request.node.nodeid
+
+    def refuse(what: str) -> None:
+        pytest.fail(f"{where} starts a process ({what}) but is not marked @pytest.mark.distributed")
+
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def popen(self: Any, args: Any, *a: Any, **k: Any) -> None:
+        if args not in (["true"], ("true",)):   # a process that exits at once, for a dead pid
+            refuse(f"subprocess {args!r:.80}")
+        popen_init(self, args, *a, **k)
+
+    def start(self: Any) -> None:
+        target = getattr(getattr(self, "_target", None), "__qualname__", "")
+        if target not in ("_worker_loop",) and "forkserver" not in type(self).__module__:
+            refuse(f"process {target or type(self).__name__}")
+        process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
 
 
 def pytest_report_header(config: Any) -> str:

@@ -67,8 +67,3 @@ def full_weights(trainer: Any) -> Dict[str, torch.Tensor]:
         return {k: v.full_tensor().detach().clone() if hasattr(v, "full_tensor") else v.detach().clone()
                 for k, v in model.state_dict().items()}
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

@@ -193,6 +193,7 @@ def test_this_checkout_is_imported():
     assert basetrainer.__version__ != "1.0.4"  # the PyPI package of the same name
 
 
+@pytest.mark.distributed
 def test_subprocess_imports_this_checkout_from_elsewhere(tmp_path):
     # a user script run from another folder (as in test_user_script_runs_unchanged) gets this checkout too
     proc = _run_python("import basetrainer, os; print(os.path.dirname(os.path.abspath(basetrainer.__file__)))",
@@ -201,6 +202,7 @@ def test_subprocess_imports_this_checkout_from_elsewhere(tmp_path):
     assert proc.stdout.strip() == PACKAGE_DIR
 
 
+@pytest.mark.distributed
 def test_import_prints_nothing_and_loads_no_heavy_dependency():
     code = f"import sys\nimport basetrainer\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules), " \
            f"'torch' in sys.modules, end='')"
@@ -212,6 +214,7 @@ def test_import_prints_nothing_and_loads_no_heavy_dependency():
     assert proc.stderr == ""
 
 
+@pytest.mark.distributed
 def test_importing_public_modules_loads_no_heavy_dependency():
     code = textwrap.dedent(f"""
         import sys
@@ -403,6 +406,8 @@ distributed: false
 """
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_user_script_runs_unchanged(tmp_path):
     train = make_image_folder(str(tmp_path / "data" / "train"), ["cat", "dog"], per_class=4, size=8)
     test = make_image_folder(str(tmp_path / "data" / "test"), ["cat", "dog"], per_class=2, size=8)

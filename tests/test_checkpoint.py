@@ -15,7 +15,7 @@ from basetrainer.runtime import atomic, checkpoint
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.scheduler import build_scheduler
 from basetrainer.utils import torch_tools
-from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg
+from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg, weight_diff
 
 
 class Scripted(Callback):
@@ -35,12 +35,6 @@ def names(folder, pattern="*.pth"):
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(str(folder), pattern)))
 
 
-def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: float = 0.0) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), k
-
-
 def run_scripted(tmp_path, key, values, indicator, n_test=16, **ckpt_kwargs):
     script = Scripted(key, values)
     ckpt = ModelCheckpoint(model_dir=str(tmp_path / "model"), indicator=indicator, **ckpt_kwargs)
@@ -56,7 +50,7 @@ def test_best_file_follows_max_accuracy(tmp_path):
     assert names(tmp_path / "model", "best_model_*.pth") == ["best_model_003_0.8000.pth"]
     assert ckpt.best == 0.8 and ckpt.best_epoch == 3   # a tie does not replace the best
     saved = torch.load(tmp_path / "model" / "best_model_003_0.8000.pth", weights_only=True)
-    assert_same_weights(saved, script.weights[3])
+    assert weight_diff(saved, script.weights[3]) == 0.0
     assert names(tmp_path / "model") == ["best_model_003_0.8000.pth", "last.prev.pth", "last.pth"]
 
 
@@ -65,7 +59,7 @@ def test_best_file_follows_min_loss_inferred(tmp_path):
     assert ckpt.mode == "min"
     assert names(tmp_path / "model", "best_model_*.pth") == ["best_model_001_0.5000.pth"]
     saved = torch.load(tmp_path / "model" / "best_model_001_0.5000.pth", weights_only=True)
-    assert_same_weights(saved, script.weights[1])
+    assert weight_diff(saved, script.weights[1]) == 0.0
 
 
 def test_nan_never_becomes_best(tmp_path):
@@ -89,7 +83,7 @@ def test_per_epoch_files(tmp_path, start_save, keep, expected):
 def test_per_epoch_file_holds_that_epochs_weights(tmp_path):
     _, script, _ = run_scripted(tmp_path, "test/Accuracy", [0.1, 0.2, 0.3], "Accuracy", start_save=1)
     saved = torch_tools.load_state_dict(str(tmp_path / "model" / "model_001_0.2000.pth"))
-    assert_same_weights(saved, script.weights[1])
+    assert weight_diff(saved, script.weights[1]) == 0.0
 
 
 def test_bad_start_save_and_missing_folder():
@@ -109,7 +103,7 @@ def test_last_pth_is_weights_only_and_complete(tmp_path):
     assert {"model", "optimizer", "epoch", "global_step", "rng", "config", "callbacks"} <= set(state)
     assert state["epoch"] == 1
     assert state["global_step"] == 2 * 3
-    assert_same_weights(state["model"], t.model.state_dict())
+    assert weight_diff(state["model"], t.model.state_dict()) == 0.0
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
     assert len(state["optimizer"]["state"]) == 4            # momentum buffers of 4 parameters
     assert state["config"]["batch_size"] == 16 and state["config"]["num_epochs"] == 2
@@ -134,7 +128,7 @@ def test_state_dicts_are_unwrapped_from_data_parallel(tmp_path):
         state = torch.load(tmp_path / "model" / name, weights_only=True)
         weights = state["model"] if name == "last.pth" else state
         assert not any(k.startswith("module.") for k in weights), name
-        assert_same_weights(weights, expected)
+        assert weight_diff(weights, expected) == 0.0
     assert len(names(tmp_path / "model")) == 3  # last, best, model_000
 
 
@@ -143,12 +137,12 @@ def test_extract_state_dict_and_load_weights_strip_module_prefix(tmp_path):
     src = TinyNet(4)
     prefixed = nn.DataParallel(src).state_dict()
     assert all(k.startswith("module.") for k in prefixed)
-    assert_same_weights(checkpoint.extract_state_dict(prefixed), src.state_dict())
-    assert_same_weights(checkpoint.extract_state_dict({"state_dict": prefixed}), src.state_dict())
+    assert weight_diff(checkpoint.extract_state_dict(prefixed), src.state_dict()) == 0.0
+    assert weight_diff(checkpoint.extract_state_dict({"state_dict": prefixed}), src.state_dict()) == 0.0
     torch.save(prefixed, tmp_path / "w.pth")
     dst = nn.DataParallel(TinyNet(4))
     torch_tools.load_weights(dst, str(tmp_path / "w.pth"))
-    assert_same_weights(dst.module.state_dict(), src.state_dict())
+    assert weight_diff(dst.module.state_dict(), src.state_dict()) == 0.0
     with pytest.raises(ValueError, match="do not fit.*missing keys"):
         torch_tools.load_weights(TinyNet(4, hidden=8, bn=True), src.state_dict())
 
@@ -184,7 +178,7 @@ def test_background_and_foreground_writes_give_the_same_files(tmp_path):
     for name, a in files[False].items():
         b = files[True][name]
         weights_a, weights_b = checkpoint.extract_state_dict(a), checkpoint.extract_state_dict(b)
-        assert_same_weights(weights_a, weights_b)
+        assert weight_diff(weights_a, weights_b) == 0.0
         if name == "last.pth":
             assert a["epoch"] == b["epoch"] == 2
             for k, buf in a["optimizer"]["state"].items():
@@ -331,7 +325,7 @@ def test_resume_auto_continues_and_equals_uninterrupted_run(tmp_path):
     assert rec.events[1] == ("on_epoch_begin", 2)
     assert second.global_step == full.global_step == 4 * 3
     assert rec.lrs[-1] == pytest.approx(0.01)   # the schedule resumed at the right step
-    assert_same_weights(second.model.state_dict(), full.model.state_dict(), atol=1e-6)
+    assert weight_diff(second.model.state_dict(), full.model.state_dict()) <= 1e-6
     assert history["test/Accuracy"] == full_history["test/Accuracy"][2:]
 
 
@@ -371,7 +365,7 @@ def test_finetune_loads_weights_only(tmp_path):
     tuned.run()
     assert rec.events[1] == ("on_epoch_begin", 0)          # starts at epoch 0, not where `last` ended
     assert int(weights_at_start.pop("momentum_buffers")) == 0   # a fresh optimizer
-    assert_same_weights(weights_at_start, first.model.state_dict())
+    assert weight_diff(weights_at_start, first.model.state_dict()) == 0.0
     assert tuned.global_step == 3
 
 

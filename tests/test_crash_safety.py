@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, weight_diff
 
 PY = sys.executable
 HARNESS = os.path.join(ROOT, "tests", "crash_harness.py")
@@ -67,22 +67,19 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def same_weights(a, b, tol=1e-6):
-    return a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=tol, rtol=0) for k in a)
-
-
 def compare_to_reference(work, ref):
     """Every way the resumed run may differ from the uninterrupted one, as a list of strings."""
     problems = []
     if not os.path.exists(os.path.join(work, "final.pt")):
         return ["the resumed run wrote no final weights"]
-    if not same_weights(load(os.path.join(work, "final.pt"))["model"], load(os.path.join(ref, "final.pt"))["model"]):
+    final, reference = load(os.path.join(work, "final.pt"))["model"], load(os.path.join(ref, "final.pt"))["model"]
+    if not weight_diff(final, reference) <= 1e-6:
         problems.append("final weights differ")
     if pth_files(work) != pth_files(ref):
         problems.append(f"files {pth_files(work)} != {pth_files(ref)}")
     for name in pth_files(ref):
         if name.startswith(("best_model", "model_")) and name in pth_files(work):
-            if not same_weights(load(os.path.join(work, "model", name)), load(os.path.join(ref, "model", name))):
+            if not weight_diff(load(os.path.join(work, "model", name)), load(os.path.join(ref, "model", name))) <= 1e-6:
                 problems.append(f"{name} holds other weights")
     if temp_files(work):
         problems.append(f"temp files left: {temp_files(work)}")
@@ -116,6 +113,8 @@ def kill_and_resume(tmp_path, reference, background, indices):
     return failures, stderr
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigkill_at_every_write_boundary_resumes_to_the_uninterrupted_result(tmp_path, reference):
     # foreground writes: the event sequence is the same every run, so index k is one boundary
     events = reference[False]["events"]
@@ -123,6 +122,8 @@ def test_sigkill_at_every_write_boundary_resumes_to_the_uninterrupted_result(tmp
     assert not failures, "\n".join("; ".join(v) for v in failures.values()) + "\n" + stderr[-3000:]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigkill_during_background_writes_resumes_to_the_uninterrupted_result(tmp_path, reference):
     # background writes: events of the writer thread interleave with the loop's, so sample them
     events = reference[True]["events"]
@@ -130,6 +131,8 @@ def test_sigkill_during_background_writes_resumes_to_the_uninterrupted_result(tm
     assert not failures, "\n".join("; ".join(v) for v in failures.values()) + "\n" + stderr[-3000:]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_best_model_survives_a_kill_between_the_best_file_and_last_pth(tmp_path, reference):
     """The reported defect: last.pth recorded the new best before the best file existed."""
     events = reference[False]["events"]
@@ -144,6 +147,8 @@ def test_best_model_survives_a_kill_between_the_best_file_and_last_pth(tmp_path,
         assert [os.path.basename(p) for p in best] == ["best_model_001_0.3000.pth"], k
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_history_tensorboard_and_log_continue_across_a_resume(tmp_path, reference):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

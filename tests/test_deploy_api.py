@@ -63,6 +63,7 @@ def test_every_engine_takes_the_common_keywords():
         assert "quant" in inspect.signature(cls).parameters
 
 
+@pytest.mark.distributed
 def test_entry_points_import_no_runtime():
     code = ("import sys\n"
             "import basetrainer.engine.onnx_engine, basetrainer.engine.mnn_engine, basetrainer.engine.ncnn_engine\n"

@@ -72,6 +72,7 @@ FORMATS = [("onnx", ["m.onnx"], 1e-4), ("onnx-fp16", ["m_fp16.onnx"], 2e-2), ("o
            ("ncnn-fp16", ["m_fp16.ncnn.param", "m_fp16.ncnn.bin"], 2e-2), ("openvino", ["m.xml", "m.bin"], 1e-4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,names,bound", FORMATS, ids=[f[0] for f in FORMATS])
 def test_format_agrees_with_eager(tmp_path, fmt, names, bound):
     model, x = small_net(), images()
@@ -102,6 +103,7 @@ def test_format_agrees_with_eager(tmp_path, fmt, names, bound):
     assert row.parity["max_abs"] == pytest.approx(float(np.abs(out - ref).max()), rel=0.5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_dynamic_batch_gives_the_same_per_sample_results(tmp_path):
     from basetrainer.engine.onnx_engine import ONNXEngine
 
@@ -136,6 +138,7 @@ def _perturbed(model: nn.Module) -> nn.Module:
     return other
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["onnx", "mnn", "openvino", "ncnn"])
 def test_a_disagreeing_export_is_an_error_and_not_written(tmp_path, monkeypatch, fmt):
     """The check catches an export of other weights (as a wrong converter would write)."""
@@ -161,6 +164,7 @@ def _fake_tool(tmp_path, body: str) -> str:
     return str(path)
 
 
+@pytest.mark.distributed
 def test_conversion_failing_half_way_leaves_no_file(tmp_path, monkeypatch):
     """pnnx writes part of the .param, then crashes: an error with its output, nothing at the final
     paths, no staging folder; the other formats of the run are still written."""
@@ -176,6 +180,7 @@ def test_conversion_failing_half_way_leaves_no_file(tmp_path, monkeypatch):
     assert sorted(os.listdir(out)) == ["m.export.json", "m.export.md", "m.onnx"]
 
 
+@pytest.mark.distributed
 def test_converter_claiming_success_with_a_damaged_file(tmp_path, monkeypatch):
     """MNN's converter says "Converted Success!" but wrote garbage: refused, nothing written."""
     fake = [sys.executable, "-c", "import sys; a = sys.argv; open(a[a.index('--MNNModel') + 1], 'wb')"
@@ -212,6 +217,7 @@ def test_export_leaves_the_users_model_alone(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_latency_rows_interleaved_with_eager(tmp_path):
     report = export_model(small_net(), "onnx,openvino", out_dir=str(tmp_path), input_size=[SIZE, SIZE],
                           check=images(8), runs=3, warmup=1, batch=4, threads=1, name="m")

@@ -82,6 +82,7 @@ def run(tmp_path_factory):
                            last=os.path.join(work, "model", "last.pth"))
 
 
+@pytest.mark.slow
 def test_last_pth_names_its_model(run, tmp_path):
     x = images()
     report = export_model(run.last, "onnx", out_dir=str(tmp_path), check=x, runs=0, name="m")
@@ -90,6 +91,7 @@ def test_last_pth_names_its_model(run, tmp_path):
     assert np.abs(onnx_outputs(str(tmp_path / "m.onnx"), x) - eager(run.model, x)).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_weights_file_with_and_without_its_run_config(run, tmp_path):
     x = images()
     with pytest.raises(ValueError, match=r"holds weights only and names no model: pass net_type \(--net-type"):
@@ -107,6 +109,7 @@ def test_weights_file_with_and_without_its_run_config(run, tmp_path):
     assert (src.net_type, src.num_classes, src.input_size) == ("resnet18", 4, [SIZE, SIZE])
 
 
+@pytest.mark.slow
 def test_ema_weights_of_a_resumable_checkpoint(run, tmp_path):
     src = load_model(run.last, weights="ema")
     assert all(torch.equal(src.model.state_dict()[k], v.cpu()) for k, v in run.ema.items())
@@ -115,6 +118,7 @@ def test_ema_weights_of_a_resumable_checkpoint(run, tmp_path):
         load_model(run.best, net_type="resnet18", input_size=[SIZE, SIZE], weights="ema")
 
 
+@pytest.mark.slow
 def test_weights_of_another_architecture(run, tmp_path):
     with pytest.raises(ValueError, match=r"do not fit MobileNetV2.*--net-type, --num-classes; now 'mobilenet_v2'"):
         export_model(run.last, "onnx", net_type="mobilenet_v2", out_dir=str(tmp_path / "out"), runs=0)
@@ -143,6 +147,7 @@ class ModelEmaV3(nn.Module):
         self.module = copy.deepcopy(model)
 
 
+@pytest.mark.slow
 def test_wrapped_models_are_unwrapped(run, tmp_path):
     import torch.distributed as dist
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -180,6 +185,7 @@ def _pruned_run(work: str):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_pruned_model_exports_with_its_smaller_shapes(tmp_path):
     work = str(tmp_path / "run")
     pruned = _pruned_run(work)
@@ -218,6 +224,7 @@ def test_sharded_last_pth(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the command line
+@pytest.mark.slow
 def test_command_line_table_json_and_exit_codes(run, tmp_path, capsys, monkeypatch):
     val = make_image_folder(str(tmp_path / "val"), ["a", "b", "c", "d"], per_class=3, size=SIZE)
     out = tmp_path / "out"
@@ -241,6 +248,7 @@ def test_command_line_table_json_and_exit_codes(run, tmp_path, capsys, monkeypat
     assert sorted(os.listdir(tmp_path / "strict")) == ["last.export.json", "last.export.md"]
 
 
+@pytest.mark.distributed
 def test_command_line_bad_arguments_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "basetrainer.deploy", str(tmp_path / "missing.pth"), "--format",
                            "onnx,tflite"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -119,6 +119,8 @@ def _tmpfs_available():
     return None
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
 def test_disk_full_on_a_real_small_filesystem(tmp_path, async_save):
     reason = _tmpfs_available()
@@ -260,7 +262,8 @@ def test_disk_full_during_a_sharded_save(tmp_path, point):
 def test_a_sharded_run_continues_after_space_is_freed(tmp_path):
     """As the error says: free some space and continue with resume: auto; the run ends where an
     uninterrupted one-process run ends."""
-    from fsdp_common import BlockTrainer, fsdp_cfg, full_weights, max_diff
+    from conftest import weight_diff
+    from fsdp_common import BlockTrainer, fsdp_cfg, full_weights
 
     reason = _tmpfs_available()
     if reason:
@@ -273,7 +276,7 @@ def test_a_sharded_run_continues_after_space_is_freed(tmp_path):
     reference = BlockTrainer(fsdp_cfg(strategy="ddp", distributed=False, num_epochs=2))
     reference.run()
     resumed = torch.load(tmp_path / "run1" / "final.pt", weights_only=True)
-    assert max_diff(full_weights(reference), resumed) < 1e-5
+    assert weight_diff(full_weights(reference), resumed) < 1e-5
 
 
 def test_a_rank_s_lack_of_space_survives_the_trip_to_the_other_ranks():

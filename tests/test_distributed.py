@@ -18,7 +18,8 @@ from basetrainer.dataloader.loader import ShardSampler
 from basetrainer.runtime import comm
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 
-from conftest import ROOT, ToyTrainer, blobs, free_port, make_image_folder, run_distributed, toy_cfg
+from conftest import (ROOT, ToyTrainer, blobs, free_port, make_image_folder, run_distributed, toy_cfg,
+                      weight_diff)
 
 PY = sys.executable
 TIMEOUT = 180
@@ -35,12 +36,8 @@ def _train(rank, cfg):
             "local_batch": len(next(iter(t.train_loader.batch_sampler)))}
 
 
-def _assert_same_weights(a, b, tol=1e-5):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=tol, rtol=0), f"{k}: max diff {(a[k] - b[k]).abs().max():.3g}"
-
-
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_ddp_equals_single_process(tmp_path, shuffle):
     cfg = toy_cfg(num_epochs=3, batch_size=32, n_train=128, n_test=0, shuffle=shuffle, lr=0.2, momentum=0.9)
@@ -49,22 +46,26 @@ def test_ddp_equals_single_process(tmp_path, shuffle):
     assert [r["world"] for r in results] == [2, 2]
     assert [r["local_batch"] for r in results] == [16, 16]
     for r in results:
-        _assert_same_weights(single["weights"], r["weights"])
+        assert weight_diff(single["weights"], r["weights"]) <= 1e-5
     # training figures are the whole data set's, equal to the single run's
     for s, d in zip(single["history"], results[0]["history"]):
         assert d["train/loss"] == pytest.approx(s["train/loss"], abs=1e-5)
         assert d["train/Accuracy"] == pytest.approx(s["train/Accuracy"], abs=1e-9)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_sync_bn_equals_single_process(tmp_path):
     cfg = toy_cfg(num_epochs=3, batch_size=32, n_train=128, n_test=0, bn=True, lr=0.1, momentum=0.9)
     single = _train(0, cfg)
     results = run_distributed(_train, 2, tmp_path, toy_cfg(**{**cfg, "distributed": True, "sync_bn": True}),
                               timeout=TIMEOUT)
     for r in results:
-        _assert_same_weights(single["weights"], r["weights"])
+        assert weight_diff(single["weights"], r["weights"]) <= 1e-5
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_test_metrics_equal_single_on_101_samples(tmp_path):
     # 101 test samples over 2 ranks: 51 + 50, no padding, no duplicates
     cfg = toy_cfg(num_epochs=1, batch_size=8, n_train=64, n_test=101, lr=0.01)
@@ -107,6 +108,7 @@ def _rank_lengths_mismatch(rank):
     return ""
 
 
+@pytest.mark.distributed
 def test_unequal_batch_counts_caught_before_training(tmp_path):
     messages = run_distributed(_rank_lengths_mismatch, 2, tmp_path, timeout=TIMEOUT)
     for m in messages:
@@ -170,12 +172,14 @@ def _weights_of(trainer):
     return _weights(trainer)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_launch_spawns_two_cpu_processes_and_only_rank0_writes(tmp_path, launch_script):
     work = tmp_path / "work"
     proc = subprocess.run([PY, launch_script, str(work), "1", "0", "auto"], capture_output=True, text=True,
                           timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_same_weights(_single_weights(), torch.load(work / "final.pt", weights_only=True))
+    assert weight_diff(_single_weights(), torch.load(work / "final.pt", weights_only=True)) <= 1e-5
     # one TensorBoard event file and one history: rank 1 wrote nothing
     assert len(glob.glob(str(work / "log" / "events.out.tfevents.*"))) == 1
     files = sorted(os.listdir(work / "model"))
@@ -212,6 +216,8 @@ EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
 def test_launch_joins_the_group_threads_before_interpreter_exit(tmp_path):
     # A gloo worker thread still alive when the interpreter shuts down can abort a rank whose
@@ -228,6 +234,7 @@ def test_launch_joins_the_group_threads_before_interpreter_exit(tmp_path):
         assert not [n for n in names if "gloo" in n or "tcpstore" in n], (rank, names)
 
 
+@pytest.mark.distributed
 def test_busy_port_is_replaced_and_training_runs(tmp_path, launch_script):
     import socket
 
@@ -242,6 +249,8 @@ def test_busy_port_is_replaced_and_training_runs(tmp_path, launch_script):
     assert (tmp_path / "w" / "final.pt").is_file()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_machines_on_loopback_train_together(tmp_path, launch_script):
     url = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PROCS": "1"}
@@ -251,9 +260,11 @@ def test_two_machines_on_loopback_train_together(tmp_path, launch_script):
     outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     # 2 machines x 1 process, global batch 32: the same weights as one process
-    _assert_same_weights(_single_weights(), torch.load(work / "final.pt", weights_only=True))
+    assert weight_diff(_single_weights(), torch.load(work / "final.pt", weights_only=True)) <= 1e-5
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_failing_rank_ends_the_job_nonzero_fast_without_orphans(tmp_path, launch_script):
     marker = str(tmp_path / "failjob")
     start = time.monotonic()
@@ -269,6 +280,8 @@ def test_failing_rank_ends_the_job_nonzero_fast_without_orphans(tmp_path, launch
     assert left == [], f"processes left behind: {left}"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_trains_the_example(tmp_path):
     data = tmp_path / "data"
     make_image_folder(str(data / "train"), ["a", "b"], per_class=8)
@@ -298,10 +311,12 @@ def _prune_rank(rank, out):
     return {"dense": dense, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_prunes_once_on_rank0_and_every_rank_holds_it(tmp_path):
     pytest.importorskip("torch_pruning", reason="torch-pruning (extra 'prune') is not installed")
     results = run_distributed(_prune_rank, 2, tmp_path, str(tmp_path / "prune"), timeout=TIMEOUT)
-    _assert_same_weights(results[0]["state"], results[1]["state"], tol=0)
+    assert weight_diff(results[0]["state"], results[1]["state"]) == 0.0
     pruned = sum(v.numel() for k, v in results[0]["state"].items() if "running" not in k and "num_batches" not in k)
     assert pruned <= 0.35 * results[0]["dense"]
 
@@ -330,6 +345,8 @@ PREEMPT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     from basetrainer.runtime import checkpoint
 

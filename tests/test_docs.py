@@ -129,6 +129,7 @@ def _page(site_dir, path: str) -> str:
 
 
 # the tests below build the whole site (10-15 s) and start a browser: not in the fast subset
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_site_builds_strict(site):
     out, build = site
@@ -144,6 +145,7 @@ def test_site_builds_strict(site):
     assert not os.path.exists(os.path.join(out, "fsdp")) and not os.path.exists(os.path.join(out, "hooks.py"))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_config_reference_lists_every_key_with_its_default(site):
     out, build = site
@@ -157,6 +159,7 @@ def test_config_reference_lists_every_key_with_its_default(site):
         assert html.escape(meaning.split("(")[0].strip(), quote=False) in page, key
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_api_reference_renders_every_public_module(site):
     out, build = site
@@ -184,6 +187,7 @@ def test_api_reference_renders_every_public_module(site):
         assert not re.search(r"\bExamples?::", text), path
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_generated_pages_follow_their_sources(site):
     out, build = site
@@ -246,6 +250,7 @@ def _run_chromium(chromium: str, profile, *args: str) -> subprocess.CompletedPro
     return subprocess.run([chromium, *flags, *args], capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_front_page_in_chromium_shows_the_quickstart(served, tmp_path):
     chromium = _chromium()

@@ -15,7 +15,7 @@ from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.multi_losses_recorder import MultiLossesRecorder
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
-from conftest import Recorder, TinyNet, ToyTrainer, blobs, toy_cfg
+from conftest import Recorder, TinyNet, ToyTrainer, blobs, toy_cfg, weight_diff
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -60,12 +60,6 @@ def hand_train(n_train: int, batch: int, epochs: int, lr: float, momentum: float
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
     return model
-
-
-def max_weight_diff(a: nn.Module, b: nn.Module) -> float:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa)
 
 
 # ----------------------------------------------------------------------------- event order
@@ -183,8 +177,8 @@ def test_run_step_tuple_and_dict_losses_backpropagate_the_sum(as_dict):
                 p -= 0.1 * g
         return model
 
-    assert max_weight_diff(t.model, one_step(use_reg=True)) < 1e-6
-    assert max_weight_diff(t.model, one_step(use_reg=False)) > 1e-5  # the second loss mattered
+    assert weight_diff(t.model, one_step(use_reg=True)) < 1e-6
+    assert weight_diff(t.model, one_step(use_reg=False)) > 1e-5  # the second loss mattered
     row = history.last
     parts = ("train/ce", "train/reg") if as_dict else ("train/loss0", "train/loss1")
     assert row[parts[0]] + row[parts[1]] == pytest.approx(row["train/loss"], abs=1e-6)
@@ -285,6 +279,7 @@ def test_stop_training_ends_after_that_epoch(recorder):
 
 
 # ----------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_end_to_end_accuracy_and_weights_equal_hand_loop():
     cfg = toy_cfg(n_train=128, n_test=64, num_epochs=3, momentum=0.9, lr=0.1, seed=0)
     acc, losses = AccuracyRecorder(), LossesRecorder()
@@ -293,7 +288,7 @@ def test_end_to_end_accuracy_and_weights_equal_hand_loop():
     assert history.last["test/Accuracy"] >= 0.95
     assert t.global_step == 3 * 8
     reference = hand_train(128, 16, 3, lr=0.1, momentum=0.9, seed=0)
-    assert max_weight_diff(t.model, reference) < 1e-6
+    assert weight_diff(t.model, reference) < 1e-6
 
     # the recorded test figures are those of the final model on the test set
     x, y = blobs(64, 4, seed=1).tensors
@@ -303,6 +298,7 @@ def test_end_to_end_accuracy_and_weights_equal_hand_loop():
     assert history.last["test/loss"] == pytest.approx(float(F.cross_entropy(out, y)), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch():
     # 40 samples: batch 8 x 4 micro-steps -> updates over 32 then 8 samples, as batches 32 and 8
     small = ToyTrainer(toy_cfg(n_train=40, batch_size=8, accumulate_steps=4, shuffle=False, num_epochs=2,
@@ -311,19 +307,20 @@ def test_gradient_accumulation_equals_one_big_batch():
     big = ToyTrainer(toy_cfg(n_train=40, batch_size=32, shuffle=False, num_epochs=2, momentum=0.9))
     big.run()
     assert small.global_step == big.global_step == 4
-    assert max_weight_diff(small.model, big.model) < 1e-6
+    assert weight_diff(small.model, big.model) < 1e-6
     no_accum = ToyTrainer(toy_cfg(n_train=40, batch_size=8, shuffle=False, num_epochs=2, momentum=0.9))
     no_accum.run()
-    assert max_weight_diff(no_accum.model, big.model) > 1e-4  # accumulation made the difference
+    assert weight_diff(no_accum.model, big.model) > 1e-4  # accumulation made the difference
 
 
+@pytest.mark.slow
 def test_clip_grad_norm_equals_hand_loop_that_clips():
     t = ToyTrainer(toy_cfg(n_train=64, num_epochs=2, momentum=0.0, clip_grad_norm=0.25))
     t.run()
     clipped = hand_train(64, 16, 2, lr=0.1, momentum=0.0, clip=0.25)
     unclipped = hand_train(64, 16, 2, lr=0.1, momentum=0.0)
-    assert max_weight_diff(t.model, clipped) < 1e-6
-    assert max_weight_diff(t.model, unclipped) > 1e-3  # clipping changed the result
+    assert weight_diff(t.model, clipped) < 1e-6
+    assert weight_diff(t.model, unclipped) > 1e-3  # clipping changed the result
 
 
 def test_bf16_on_cpu_trains():
@@ -403,6 +400,7 @@ def _sync_run(monkeypatch, n_train: int, log_freq: int):
     return t, last.per_step, total, history
 
 
+@pytest.mark.slow
 def test_no_per_step_host_sync(monkeypatch):
     t, per_step, total_10, history = _sync_run(monkeypatch, n_train=160, log_freq=1000)   # 10 steps/epoch
     assert len(per_step) == 20
@@ -417,6 +415,7 @@ def test_no_per_step_host_sync(monkeypatch):
     assert history.last["test/Accuracy_top2"] >= history.last["test/Accuracy"]
 
 
+@pytest.mark.slow
 def test_host_syncs_only_at_log_points(monkeypatch):
     _, per_step, _, _ = _sync_run(monkeypatch, n_train=160, log_freq=4)
     log_points = {3, 7, 9}
@@ -425,6 +424,7 @@ def test_host_syncs_only_at_log_points(monkeypatch):
     assert len(set(at_log)) == 1 and at_log[0] > 0  # the same reads at every log point
 
 
+@pytest.mark.slow
 def test_bf16_on_cpu_trains_the_digits_to_the_accuracy_band():
     """amp='bf16' on the CPU, on the bundled digits (sklearn), through the whole loop."""
     sklearn = pytest.importorskip("sklearn", reason="scikit-learn (extra 'dev') holds the digits data")

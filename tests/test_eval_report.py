@@ -198,6 +198,7 @@ def test_the_report_over_2_and_3_ranks_equals_one_process(tmp_path, world):
             assert rep["per_class"][name][key] == pytest.approx(one["per_class"][name][key], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_every_epoch_writes_one_folder_per_epoch_and_an_early_stop_still_reports(tmp_path):
     report = EvalReport(every_epoch=True)
     t = ToyTrainer(toy_cfg(num_epochs=3, n_train=64, n_test=40, work_dir=str(tmp_path / "a")), callbacks=[report])

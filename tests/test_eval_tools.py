@@ -211,6 +211,7 @@ def test_pca_option_runs_on_each_folds_training_part():
 
 
 # ----------------------------------------------------------------------------- imports
+@pytest.mark.distributed
 def test_importing_the_tools_imports_neither_scikit_learn_nor_matplotlib():
     code = ("import sys; import basetrainer.metric.eval_tools.roc, basetrainer.metric.eval_tools.verification, "
             "basetrainer.metric.eval_tools.classification_report; "

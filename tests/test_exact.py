@@ -4,8 +4,6 @@ inside an accumulation window."""
 import csv
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,10 +16,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.runtime import comm
 
-from conftest import ROOT, ToyTrainer, blobs, run_distributed, toy_cfg
-
-PY = sys.executable
-
+from conftest import ToyTrainer, blobs, run_distributed, run_script, script_fixture, toy_cfg, weight_diff
 
 class Counted(Callback):
     """Counts the samples this rank trained on (from on_train_summary), per epoch."""
@@ -58,11 +53,8 @@ def _train_cases(rank, cases, bn=False):
     return out
 
 
-def _close(a, b, tol=1e-5):
-    assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_equals_one_process_on_data_that_does_not_divide(tmp_path, world):
     single = _train_cases(0, CASES)
@@ -72,7 +64,7 @@ def test_ddp_equals_one_process_on_data_that_does_not_divide(tmp_path, world):
         assert one["samples"] == kept          # every sample once, no padding, no duplicate
         for r in many:
             assert r["samples"] == kept
-            assert _close(one["weights"], r["weights"]) < 1e-5, (n, batch, drop_last, world)
+            assert weight_diff(one["weights"], r["weights"]) < 1e-5, (n, batch, drop_last, world)
             for a, b in zip(one["history"], r["history"]):   # the train figures count each sample once
                 assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-5)
                 assert b["train/Accuracy"] == pytest.approx(a["train/Accuracy"], abs=1e-9)
@@ -102,6 +94,8 @@ def _test_with_drop_last(rank):
     return {"history": history.epochs, "samples": sum(comm.all_gather_object(counted.samples))}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_test_loader_with_drop_last_drops_the_global_batch_in_ddp_too(tmp_path):
     # 101 test samples, batch 10: one process evaluates 100; 3 ranks (batch 3 each) once dropped
     # their own incomplete batches and evaluated 99, so test/loss differed (0.3587 against 0.3618)
@@ -122,6 +116,8 @@ def _train_cases_float64(rank, cases):
         torch.set_default_dtype(torch.float32)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_with_sync_batchnorm_equals_one_process_on_data_that_does_not_divide(tmp_path, world):
     # 242: the last batch has two samples, so with 3 ranks one of them holds none (BatchNorm in one
@@ -133,7 +129,7 @@ def test_ddp_with_sync_batchnorm_equals_one_process_on_data_that_does_not_divide
     ranks = run_distributed(_train_cases_float64, world, tmp_path, cases, timeout=300)
     for (n, batch, _), one, *many in zip(cases, single, *ranks):
         for r in many:   # weights and BatchNorm's running statistics
-            assert _close(one["weights"], r["weights"]) < 1e-9, (n, batch, world)
+            assert weight_diff(one["weights"], r["weights"]) < 1e-9, (n, batch, world)
 
 
 def test_loss_reduction_sum_trains_like_the_mean():
@@ -148,7 +144,7 @@ def test_loss_reduction_sum_trains_like_the_mean():
     mean_history = mean.run()
     summed = SumTrainer(toy_cfg(loss_reduction="sum", **cfg), callbacks=[LossesRecorder()])
     sum_history = summed.run()
-    assert _close(mean.unwrapped_model.state_dict(), summed.unwrapped_model.state_dict()) < 1e-6
+    assert weight_diff(mean.unwrapped_model.state_dict(), summed.unwrapped_model.state_dict()) < 1e-6
     assert sum_history["train/loss"] == pytest.approx(mean_history["train/loss"], rel=1e-6)
 
 
@@ -203,16 +199,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def script(tmp_path_factory):
-    path = tmp_path_factory.mktemp("exact") / "augmented.py"
-    path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    return str(path)
+script = script_fixture(SCRIPT, "augmented.py")
 
 
 def _run(script, work, workers=0, persistent=True, accumulate=1, resume="", kill=(-1, -1)):
-    return subprocess.run([PY, script, str(work), str(workers), "1" if persistent else "0", str(accumulate),
-                           resume, str(kill[0]), str(kill[1])], capture_output=True, text=True, timeout=300)
+    return run_script(script, work, workers, "1" if persistent else "0", accumulate, resume, kill[0], kill[1])
 
 
 def _final(work):
@@ -235,6 +226,8 @@ def uninterrupted(tmp_path_factory, script):
     return work
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,persistent", [(0, True), (2, True), (2, False)])
 def test_sigkill_mid_epoch_with_random_augmentation_resumes_exactly(tmp_path, script, workers, persistent,
                                                                     uninterrupted):
@@ -245,16 +238,20 @@ def test_sigkill_mid_epoch_with_random_augmentation_resumes_exactly(tmp_path, sc
     assert (state["epoch"], state["phase"], state["batch"]) == (1, "train", 4)
     resumed = _run(script, tmp_path / "run", workers, persistent, resume="auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _close(_final(ref), _final(tmp_path / "run")) < 1e-6
+    assert weight_diff(_final(ref), _final(tmp_path / "run")) < 1e-6
     assert _history(tmp_path / "run") == _history(ref)   # the resumed epoch's train/loss too
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_augmentation_depends_on_the_sample_not_on_the_workers(tmp_path, script, uninterrupted):
     run = _run(script, tmp_path / "w2", 2)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert _close(_final(uninterrupted), _final(tmp_path / "w2")) < 1e-6
+    assert weight_diff(_final(uninterrupted), _final(tmp_path / "w2")) < 1e-6
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigkill_inside_an_accumulation_window_resumes_exactly(tmp_path, script):
     ref = _run(script, tmp_path / "ref", accumulate=3)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -264,7 +261,7 @@ def test_sigkill_inside_an_accumulation_window_resumes_exactly(tmp_path, script)
     assert (state["epoch"], state["batch"]) == (1, 3)   # saved at the window's end only
     resumed = _run(script, tmp_path / "run", accumulate=3, resume="auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _close(_final(tmp_path / "ref"), _final(tmp_path / "run")) < 1e-6
+    assert weight_diff(_final(tmp_path / "ref"), _final(tmp_path / "run")) < 1e-6
     assert _history(tmp_path / "run") == _history(tmp_path / "ref")
 
 

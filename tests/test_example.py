@@ -57,6 +57,8 @@ def runs(tmp_path_factory):
     return root, results
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_example_trains_and_writes_its_files(runs):
     root, results = runs
     code, out = results["train"]
@@ -92,6 +94,8 @@ def test_example_trains_and_writes_its_files(runs):
     assert "epoch 1/2 done" in open(work / "log" / "train.log").read()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_example_trains_sharded_with_one_flag(runs):
     root, results = runs
     code, out = results["fsdp"]
@@ -108,6 +112,7 @@ def test_example_trains_sharded_with_one_flag(runs):
     assert weights["fc.weight"].shape == (3, 1024) and all(isinstance(v, torch.Tensor) for v in weights.values())
 
 
+@pytest.mark.distributed
 def test_missing_train_data_names_the_key(runs):
     root, results = runs
     code, out = results["missing"]
@@ -115,6 +120,7 @@ def test_missing_train_data_names_the_key(runs):
     assert "train_data" in out and "no_such_folder" in out and "does not exist" in out
 
 
+@pytest.mark.distributed
 def test_single_class_folder_is_refused(runs):
     _, results = runs
     code, out = results["one_class"]
@@ -122,6 +128,7 @@ def test_single_class_folder_is_refused(runs):
     assert "train_data" in out and "only one class" in out
 
 
+@pytest.mark.distributed
 def test_unknown_net_type_lists_valid_names(runs):
     _, results = runs
     code, out = results["net_type"]

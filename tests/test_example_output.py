@@ -86,6 +86,8 @@ def runs(tmp_path_factory):
     return root, (piped.returncode, out, err), tty_result, no_tty
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_no_progress_bars_in_output_that_is_not_a_terminal(runs):
     root, (code, out, err), _, _ = runs
     assert code == 0, (out + err).decode(errors="replace")
@@ -100,6 +102,8 @@ def test_no_progress_bars_in_output_that_is_not_a_terminal(runs):
     assert saved["progress"] is True          # the default was on: the bars were dropped, not turned off
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_terminal_shows_the_bars(runs):
     _, _, tty_result, no_tty = runs
     if tty_result is None:
@@ -116,6 +120,8 @@ def test_a_terminal_shows_the_bars(runs):
     assert b"final test/Accuracy:" in text
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_only_best_and_last_weights_by_default(runs):
     root, (code, out, err), _, _ = runs
     assert code == 0

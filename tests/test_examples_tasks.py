@@ -89,6 +89,8 @@ def _seg_figures(root, results, name):
     return per_class, rows
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["seg", "seg_ddp"])
 def test_segmentation_learns_every_shape(seg_runs, name):
     """After 96 steps the shapes are found (background IoU >= 0.85) but not yet told apart well:
@@ -117,6 +119,8 @@ def _reg_figures(root, results, name):
     return [float(v) for v in match.groups()], _history(root / name)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["reg", "reg_ddp"])
 def test_regression_matches_the_linear_baseline(reg_runs, name):
     root, results = reg_runs
@@ -132,6 +136,8 @@ def test_regression_matches_the_linear_baseline(reg_runs, name):
         assert "processes: 2" in results[name][1]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_regression_ddp_equals_one_process(reg_runs):
     """353 train samples (batches of 32: the last holds 1) and 89 test samples on 2 ranks:
     every epoch's figures equal one process's."""
@@ -197,6 +203,8 @@ def test_shapes_are_seeded_by_sample():
     assert a[0]["image"].shape == (3, 32, 32) and a[0]["mask"].dtype == torch.long
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_regression_summary_after_a_resume_covers_the_whole_run(tmp_path):
     """run() returns the epochs of its own call: after a resume the example's summary takes the
     lowest MAE and the epoch count from the whole run (it once said "at epoch 1 ... 2 epochs")."""

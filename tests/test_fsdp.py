@@ -21,8 +21,8 @@ from basetrainer.callbacks.model_ema import ModelEMA
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.runtime import checkpoint, comm, sharded, sharding
 
-from conftest import ROOT, free_port, run_distributed
-from fsdp_common import Block, BlockNet, BlockTrainer, fsdp_cfg, full_weights, max_diff
+from conftest import ROOT, free_port, run_distributed, run_script, script_fixture, weight_diff
+from fsdp_common import Block, BlockNet, BlockTrainer, fsdp_cfg, full_weights
 
 PY = sys.executable
 
@@ -56,6 +56,8 @@ def _train(rank, cases):
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp_equals_one_process_and_ddp_on_uneven_data(tmp_path):
     # 251 samples, global batch 30 (the last batch splits 6/5), a 37-sample test set (19/18)
     single = _train(0, [(name, {**over, "strategy": "ddp"}) for name, over in EXACT_CASES])
@@ -67,16 +69,16 @@ def test_fsdp_equals_one_process_and_ddp_on_uneven_data(tmp_path):
         for name, _ in EXACT_CASES:
             one, r = single[name], rank[name]
             tol = APPROXIMATE.get(name, 1e-5)
-            assert max_diff(one["weights"], r["weights"]) < tol, name
-            assert max_diff(one["ema"], r["ema"]) < tol, name
+            assert weight_diff(one["weights"], r["weights"]) < tol, name
+            assert weight_diff(one["ema"], r["ema"]) < tol, name
             for a, b in zip(one["history"], r["history"]):
                 assert b["train/loss"] == pytest.approx(a["train/loss"], abs=tol / 10), name
                 assert b["test/Accuracy"] == pytest.approx(a["test/Accuracy"], abs=1e-9), name
                 assert b["test/loss"] == pytest.approx(a["test/loss"], abs=tol / 10), name
         assert rank["fsdp_tied"]["tied"] is True and rank["fsdp_tied"]["sharded"]
-        assert max_diff(rank["fsdp"]["weights"], rank["ddp"]["weights"]) < 1e-5
+        assert weight_diff(rank["fsdp"]["weights"], rank["ddp"]["weights"]) < 1e-5
         for option in ("fsdp_activation_checkpointing", "fsdp_no_reshard"):
-            assert max_diff(rank["fsdp"]["weights"], rank[option]["weights"]) < 1e-6, option
+            assert weight_diff(rank["fsdp"]["weights"], rank[option]["weights"]) < 1e-6, option
 
 
 # ----------------------------------------------------------------------------- resume on another world size
@@ -132,6 +134,8 @@ def _reference(tmp_path):
     return full_weights(t), callbacks[2].ema
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("worlds", [(2, 1), (1, 3)])
 def test_resume_on_another_world_size_continues_exactly(tmp_path, worlds):
     """ddp and fsdp checkpoints, mid-epoch and at an epoch's end, resumed on another world size."""
@@ -155,8 +159,8 @@ def test_resume_on_another_world_size_continues_exactly(tmp_path, worlds):
     reference, reference_ema = _reference(tmp_path)
     for rank in resumed:
         for (strategy, work, inside), (weights, ema) in zip(runs, rank):
-            assert max_diff(reference, weights) < 1e-5, (strategy, work)
-            assert max_diff(reference_ema, ema) < 1e-5, (strategy, work)   # sharded callback state too
+            assert weight_diff(reference, weights) < 1e-5, (strategy, work)
+            assert weight_diff(reference_ema, ema) < 1e-5, (strategy, work)   # sharded callback state too
 
 
 # ----------------------------------------------------------------------------- the files of a sharded run
@@ -166,6 +170,8 @@ def _fsdp_run(rank, work):
     return full_weights(t)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sharded_checkpoint_files_and_planted_code_is_refused(tmp_path):
     work = str(tmp_path / "run")
     weights = run_distributed(_fsdp_run, 2, tmp_path, work, timeout=300)[0]
@@ -178,13 +184,13 @@ def test_sharded_checkpoint_files_and_planted_code_is_refused(tmp_path):
     assert last["model"]["stem.weight"] == "dcp:model/stem.weight"         # tensors live in the shards
     best = [n for n in os.listdir(folder) if n.startswith("best_model_")]
     assert len(best) == 1                                                  # one ordinary .pth, whole weights
-    assert max_diff(torch.load(os.path.join(folder, best[0]), weights_only=True), weights) == 0.0
+    assert weight_diff(torch.load(os.path.join(folder, best[0]), weights_only=True), weights) == 0.0
 
     # one file from the shards, in a plain process (no process group), equal to the weights
     one = subprocess.run([PY, "-m", "basetrainer.runtime.sharded", os.path.join(folder, "last.pth"),
                           str(tmp_path / "one.pth")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert max_diff(torch.load(tmp_path / "one.pth", weights_only=True), weights) == 0.0
+    assert weight_diff(torch.load(tmp_path / "one.pth", weights_only=True), weights) == 0.0
 
     # a damaged shard (same size, bytes overwritten) is found at resume: it falls back to last.prev.pth
     shard = os.path.join(folder, last["shards"], "__1_0.distcp")
@@ -253,12 +259,14 @@ def _snapshot_and_resume(rank, work):
     return full_weights(t), full_weights(resumed), resumed.global_step
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_snapshot_outlives_later_saves_and_a_parameter_without_state_resumes(tmp_path):
     work = str(tmp_path / "run")
     first, second, steps = run_distributed(_snapshot_and_resume, 2, tmp_path, work, timeout=300)[0]
     snapshot = checkpoint.load_file(os.path.join(work, "model", "snapshot.pth"))
     assert checkpoint.position(snapshot)[0] == 0 and snapshot["shards"].startswith("snapshot.pth-shards-")
-    assert steps == 2 * 9 and max_diff(first, second) < 1e-6   # trained on from epoch 0's end, to the same weights
+    assert steps == 2 * 9 and weight_diff(first, second) < 1e-6   # trained on from epoch 0's end, to the same weights
 
 
 def test_wrap_choice_and_clear_errors():
@@ -349,11 +357,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(scope="module")
-def script(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fsdp_script") / "train_fsdp.py"
-    path.write_text(SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
-    return str(path)
+script = script_fixture(SCRIPT, "train_fsdp.py")
 
 
 @pytest.fixture(scope="module")
@@ -363,10 +367,12 @@ def reference(tmp_path_factory):
     return full_weights(t)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigkill_during_a_sharded_save_leaves_the_previous_last_loadable(tmp_path, script, reference):
     work = str(tmp_path / "run")
     os.makedirs(work)
-    crashed = subprocess.run([PY, script, work, "save-crash"], capture_output=True, text=True, timeout=240)
+    crashed = run_script(script, work, "save-crash", timeout=240)
     assert crashed.returncode != 0
     folder = os.path.join(work, "model")
     state = checkpoint.load_file(os.path.join(folder, "last.pth"))
@@ -375,12 +381,14 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_last_loadable(tmp_pat
     assert len(partial) == 1 and not os.path.exists(os.path.join(folder, partial[0], ".metadata"))
     path, _ = checkpoint.CheckpointFolder(folder).find_resumable()
     assert path.endswith("last.pth")
-    done = subprocess.run([PY, script, work, "resume"], capture_output=True, text=True, timeout=240)
+    done = run_script(script, work, "resume", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert max_diff(reference, torch.load(os.path.join(work, "final.pt"), weights_only=True)) < 1e-6
+    assert weight_diff(reference, torch.load(os.path.join(work, "final.pt"), weights_only=True)) < 1e-6
     assert not os.path.exists(os.path.join(folder, partial[0]))   # the killed save's files are gone
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_a_killed_rank_exactly(tmp_path, script, reference):
     work = str(tmp_path / "run")
     os.makedirs(work)
@@ -393,4 +401,4 @@ def test_torchrun_max_restarts_resumes_a_killed_rank_exactly(tmp_path, script, r
     # the first attempt started from scratch; the restart at the step-3 checkpoint of epoch 1
     assert open(os.path.join(work, "attempt_0.txt")).read() == "0 0"
     assert open(os.path.join(work, "attempt_1.txt")).read() == "1 12"
-    assert max_diff(reference, torch.load(os.path.join(work, "final.pt"), weights_only=True)) < 1e-6
+    assert weight_diff(reference, torch.load(os.path.join(work, "final.pt"), weights_only=True)) < 1e-6

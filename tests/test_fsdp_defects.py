@@ -13,8 +13,8 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.runtime import checkpoint, sharding
 
-from conftest import run_distributed
-from fsdp_common import BlockTrainer, fsdp_cfg, full_weights, max_diff
+from conftest import run_distributed, weight_diff
+from fsdp_common import BlockTrainer, fsdp_cfg, full_weights
 
 # ----------------------------------------------------------------------------- the models
 class ScaledBlock(nn.Module):
@@ -183,12 +183,12 @@ def test_fsdp_trains_models_that_read_tensors_or_share_buffers_as_one_process(tm
     for rank, r in enumerate(ranks):
         for name, _ in CASES:
             assert r[name]["sharded"], name
-            diff = max_diff(single[name]["weights"], r[name]["weights"])
+            diff = weight_diff(single[name]["weights"], r[name]["weights"])
             assert diff < 1e-5, (name, rank, diff)
         assert r["shared_buffer"]["shared_mask"] is True and r["hostile"]["shared_mask"] is True
         # the sharded checkpoint of the shared-buffer model resumed mid-epoch 1, to the same weights
         assert r["resumed"]["start"] == 1
-        assert max_diff(single["shared_buffer"]["weights"], r["resumed"]["weights"]) < 1e-5
+        assert weight_diff(single["shared_buffer"]["weights"], r["resumed"]["weights"]) < 1e-5
     # rank 0 builds as one process; rank 1 tried the meta device, and built normally where the
     # constructor needed real values (said once, at info level)
     assert [r["reads"]["built_on"] for r in ranks] == ["cpu", "cpu"]
@@ -221,13 +221,13 @@ def test_fsdp_meta_init_key(tmp_path):
                                                       ("true_safe", dict(net="shared_buffer", fsdp_meta_init=True))], timeout=300)
     assert [r["false"][0] for r in ranks] == ["cpu", "cpu"]     # false: every rank builds normally
     reference = _meta_init(0, [("one", dict(net="reads", strategy="ddp", distributed=False))])["one"][1]
-    assert max_diff(reference, ranks[1]["false"][1]) < 1e-5
+    assert weight_diff(reference, ranks[1]["false"][1]) < 1e-5
     for name in ("auto_safe", "true_safe"):   # a meta-safe model: rank 1 built it on meta
         assert [r[name][0] for r in ranks] == ["cpu", "meta"]
-        assert max_diff(ranks[0][name][1], ranks[1][name][1]) == 0.0
+        assert weight_diff(ranks[0][name][1], ranks[1][name][1]) == 0.0
     # a plain tensor attribute would stay on meta: rank 1 built normally, and trained as rank 0
     assert [r["plain"][0] for r in ranks] == ["cpu", "cpu"]
-    assert max_diff(ranks[0]["plain"][1], ranks[1]["plain"][1]) == 0.0
+    assert weight_diff(ranks[0]["plain"][1], ranks[1]["plain"][1]) == 0.0
     with pytest.raises(pytest.fail.Exception, match=r"(?s)fsdp_meta_init.*true.*plain tensor attributes \['offset'\]"
                                                     r".*register them as buffers"):
         run_distributed(_meta_init, 2, tmp_path / "plain", [("strict", dict(net="plain", fsdp_meta_init=True))],
@@ -292,7 +292,7 @@ def test_a_damaged_sharded_save_is_kept_whole_beside_the_fallback(tmp_path):
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(first_sizes) & set(second_sizes)
     reference = DefectTrainer(fsdp_cfg(strategy="ddp", distributed=False, num_epochs=3))
     reference.run()
-    assert max_diff(full_weights(reference), weights) < 1e-5
+    assert weight_diff(full_weights(reference), weights) < 1e-5
 
 
 def _resumable(epoch):

@@ -197,6 +197,7 @@ def test_bad_input_is_an_early_error_naming_the_argument_and_the_fix():
         MetricRecorder(Custom(), "custom")
 
 
+@pytest.mark.distributed
 def test_import_of_basetrainer_imports_no_optional_package_and_a_missing_torchmetrics_says_what_to_install():
     code = ("import sys, basetrainer\nfrom basetrainer.engine import trainer\n"
             "from basetrainer.metric import metric_recorder\n"

@@ -228,6 +228,7 @@ def test_slim_keeps_the_channels_with_the_largest_bn_scales(tmp_path):
     assert torch.equal(net[1].weight.detach(), torch.tensor([-2.0, 3.0, 1.0]))
 
 
+@pytest.mark.distributed
 def test_import_does_not_load_backends():
     code = ("import sys, basetrainer.pruning.nni_pruning, basetrainer.pruning.slim; "
             "loaded = [m for m in ('torch_pruning', 'nni') if m in sys.modules]; "

@@ -65,6 +65,7 @@ def built(tmp_path_factory):
     return wheels[0], sdists[0]
 
 
+@pytest.mark.distributed
 def test_wheel_carries_the_license(built):
     wheel, _ = built
     version = basetrainer.__version__
@@ -83,6 +84,7 @@ def test_wheel_carries_the_license(built):
     assert not any(n.startswith(("tests/", "examples/", "bench/")) for n in names)
 
 
+@pytest.mark.distributed
 def test_sdist_carries_the_license(built):
     _, sdist = built
     top = f"basetrainer-{basetrainer.__version__}"

@@ -18,7 +18,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 
-from conftest import ROOT, ToyTrainer, toy_cfg
+from conftest import ROOT, ToyTrainer, script_fixture, start_script, toy_cfg, weight_diff
 
 PY = sys.executable
 
@@ -74,19 +74,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def script(tmp_path_factory):
-    path = tmp_path_factory.mktemp("script") / "train_signal.py"
-    path.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    return str(path)
+script = script_fixture(SCRIPT, "train_signal.py")
 
 
 def _start(script, work, workers, resume="", pause=False, ddp=False, strategy="ddp"):
     env = dict(os.environ, DDP="1" if ddp else "0", PYTHONUNBUFFERED="1", EPOCHS="2" if ddp else "3",
                STRATEGY=strategy)
-    return subprocess.Popen([PY, script, str(work), str(workers), resume, "1" if pause else "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)    # its own process group, as under SLURM
+    return start_script(script, work, workers, resume, "1" if pause else "0", env=env,
+                        new_session=True)    # its own process group, as under SLURM
 
 
 def _finish(proc, timeout=240):
@@ -127,12 +122,6 @@ def _signal_group_when_ready(proc, work, sig):
     os.killpg(proc.pid, sig)
 
 
-def _same(a, b, tol=1e-6):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=tol, rtol=0), k
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, script):
     """The script's 3-epoch run with no signal and no workers: what every preempted and resumed
@@ -145,6 +134,8 @@ def uninterrupted(tmp_path_factory, script):
 
 # without workers, SIGTERM and an exact resume are tested in test_resume (the signal reaches the
 # one process either way); here: the DataLoader workers in the process group get it too
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [2, 4])
 def test_sigterm_to_the_process_group_preempts_cleanly(tmp_path, script, workers, uninterrupted):
     work = tmp_path / "run"
@@ -162,9 +153,11 @@ def test_sigterm_to_the_process_group_preempts_cleanly(tmp_path, script, workers
     assert not [p for p in _worker_pids(work) if _alive(p)]
     code, _, err = _finish(_start(script, work, workers, resume="auto"))
     assert code == 0, err[-3000:]
-    _same(uninterrupted, torch.load(work / "final.pt", weights_only=True))
+    assert weight_diff(uninterrupted, torch.load(work / "final.pt", weights_only=True)) <= 1e-6
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigint_to_the_process_group_exits_130(tmp_path, script):
     work = tmp_path / "run"
     proc = _start(script, work, 2, pause=True)
@@ -174,6 +167,8 @@ def test_sigint_to_the_process_group_exits_130(tmp_path, script):
     assert torch.load(work / "model" / "last.pth", weights_only=True)["batch"] == 3
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("first,again", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT)])
 def test_one_request_delivered_twice_still_preempts_cleanly(tmp_path, script, first, again):
     # `timeout` (and many launchers) pass a signal on to the child and to its group: one request
@@ -190,6 +185,8 @@ def test_one_request_delivered_twice_still_preempts_cleanly(tmp_path, script, fi
     assert torch.load(work / "model" / "last.pth", weights_only=True)["batch"] == 3
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_one_ctrl_c_delivered_twice_to_a_ddp_job_preempts_every_rank(tmp_path, script):
     work = tmp_path / "run"
     proc = _start(script, work, 0, pause=True, ddp=True)
@@ -201,6 +198,8 @@ def test_one_ctrl_c_delivered_twice_to_a_ddp_job_preempts_every_rank(tmp_path, s
     assert (torch.load(work / "model" / "last.pth", weights_only=True)["batch"]) == 4
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_second_ctrl_c_a_second_later_stops_at_once(tmp_path, script):
     work = tmp_path / "run"
     proc = _start(script, work, 0, pause=True)
@@ -225,6 +224,8 @@ def _reference(work):
     return {k: v.detach().clone() for k, v in t.unwrapped_model.state_dict().items()}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigterm_to_a_ddp_or_fsdp_job_stops_every_rank_with_the_same_status(tmp_path, script):
     reference = _reference(tmp_path / "ref")
     for strategy in ("ddp", "fsdp"):   # fsdp: every rank writes its shards of the preemption checkpoint
@@ -246,9 +247,11 @@ def test_sigterm_to_a_ddp_or_fsdp_job_stops_every_rank_with_the_same_status(tmp_
             continue
         code, _, err = _finish(_start(script, work, 2, resume="auto", ddp=True, strategy=strategy))
         assert code == 0, err[-3000:]
-        _same(reference, torch.load(work / "final.pt", weights_only=True), tol=1e-5)
+        assert weight_diff(reference, torch.load(work / "final.pt", weights_only=True)) <= 1e-5
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sigint_to_the_launcher_alone_is_passed_on_and_it_exits_130(tmp_path, script):
     work = tmp_path / "run"
     proc = _start(script, work, 0, pause=True, ddp=True)
@@ -314,6 +317,8 @@ LEFTOVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_launch_returns_only_after_the_ranks_worker_processes_are_gone(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -377,5 +382,5 @@ def test_a_signal_in_the_test_phase_or_at_the_epoch_end_resumes_exactly(tmp_path
     assert (state["epoch"], state["phase"]) == position
     resumed = _toy(work, resume="auto")
     resumed.run()
-    _same(ref.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict())
+    assert weight_diff(ref.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()) <= 1e-6
     assert _rows(work) == _rows(str(tmp_path / "ref"))   # every epoch once, the same figures

@@ -140,6 +140,7 @@ HARD = ["mean1000_std0.01", "mean1000_std0.01_bf16_autocast", "mean100_std0.1", 
         "rank_holds_0", "placeholder_on_rank_1"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", HARD + ["bf16_input_autocast"])
 def test_mean_and_variance_equal_a_float64_reference(distributed_results, name):
     ranks = rank_results(distributed_results, name)
@@ -153,6 +154,7 @@ def test_mean_and_variance_equal_a_float64_reference(distributed_results, name):
         assert res["num_batches_tracked"] == 1
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", HARD)
 def test_outputs_and_gradients_equal_float64_batchnorm_on_hard_data(distributed_results, name):
     ranks = rank_results(distributed_results, name)
@@ -168,6 +170,7 @@ def test_outputs_and_gradients_equal_float64_batchnorm_on_hard_data(distributed_
         assert_close(name, key, sum(r[key] for r in ranks), ref[key], 1e-5)
 
 
+@pytest.mark.distributed
 def test_bf16_input_gives_bf16_output_normalised_with_the_global_statistics(distributed_results):
     ranks = rank_results(distributed_results, "bf16_input_autocast")
     ref = reference("bf16_input_autocast", torch.float64)
@@ -176,6 +179,7 @@ def test_bf16_input_gives_bf16_output_normalised_with_the_global_statistics(dist
     assert_close("bf16_input_autocast", "output", out, ref["out"], 2 ** -8)  # bf16 keeps 8 bits
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["ordinary_1d", "ordinary_2d_unequal", "ordinary_momentum_none"])
 def test_outputs_gradients_and_running_stats_equal_torch_batchnorm(distributed_results, name):
     ranks = rank_results(distributed_results, name)
@@ -192,6 +196,7 @@ def test_outputs_gradients_and_running_stats_equal_torch_batchnorm(distributed_r
         assert torch.allclose(sum(r[key] for r in ranks), ref[key], atol=1e-5, rtol=0), key
 
 
+@pytest.mark.distributed
 def test_rank_holding_0_returns_an_empty_output_and_zero_parameter_gradients(distributed_results):
     empty = rank_results(distributed_results, "rank_holds_0")[1]
     assert empty["out"].shape == (0, 4) and empty["x_grad"].shape == (0, 4)

@@ -121,6 +121,8 @@ LAUNCHED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads worker processes from /proc")
 def test_ranks_of_launch_fork_their_workers_as_under_torchrun(tmp_path):
     """A rank spawned by launch() inherited 'spawn' for its own children: every DataLoader

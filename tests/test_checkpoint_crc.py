@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 
-from basetrainer.runtime import checkpoint, sharded
+from basetrainer.runtime import checkpoint, shard_io, sharded
 
 
 def _flip_weight_bit(path, start=0, length=None):
@@ -56,7 +56,7 @@ def test_a_flipped_bit_in_a_shard_is_found(tmp_path):
              no_dist=True)
     state = {"shards": shards.name, "model": {"w": "dcp:model/w"}}
     sharded.check(state, str(tmp_path))                                          # as written: good
-    item = next(iter(sharded.read_metadata(str(shards)).storage_data.values()))
+    item = next(iter(shard_io.read_metadata(str(shards)).storage_data.values()))
     _flip_weight_bit(str(shards / item.relative_path), item.offset, item.length)
     with pytest.raises(ValueError, match=r"is damaged \(model/w: its bytes do not match the CRC-32"):
         sharded.check(state, str(tmp_path))

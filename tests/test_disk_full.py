@@ -288,7 +288,7 @@ def test_a_rank_s_lack_of_space_survives_the_trip_to_the_other_ranks():
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from basetrainer.runtime import sharded
+    from basetrainer.runtime import shard_io
 
     try:
         try:
@@ -298,10 +298,10 @@ def test_a_rank_s_lack_of_space_survives_the_trip_to_the_other_ranks():
     except RuntimeError as e:
         short = e
     with pytest.raises(OSError) as err:
-        sharded._raise_space_error(short, rank=1)
+        shard_io._raise_space_error(short, rank=1)
     travelled = pickle.loads(pickle.dumps(err.value))
     assert travelled.errno == errno.ENOSPC and "rank 1" in str(travelled)
     assert pickle.loads(pickle.dumps(short)).__context__ is None      # what happened without it
-    sharded._raise_space_error(RuntimeError("other"), rank=0)            # not a space error: nothing raised
-    other = sharded.failure(CheckpointException("write", {1: (ValueError("bad plan"), None)}), "writing X")
+    shard_io._raise_space_error(RuntimeError("other"), rank=0)            # not a space error: nothing raised
+    other = shard_io.failure(CheckpointException("write", {1: (ValueError("bad plan"), None)}), "writing X")
     assert isinstance(other, RuntimeError) and str(other) == "writing X failed on rank(s) [1]; rank 1: ValueError: bad plan"

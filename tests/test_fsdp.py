@@ -19,7 +19,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.callbacks.model_ema import ModelEMA
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
-from basetrainer.runtime import checkpoint, comm, sharded, sharding
+from basetrainer.runtime import checkpoint, comm, shard_io, sharded, sharding
 
 from conftest import ROOT, free_port, run_distributed, run_script, script_fixture, weight_diff
 from fsdp_common import Block, BlockNet, BlockTrainer, fsdp_cfg, full_weights
@@ -215,8 +215,8 @@ def test_sharded_checkpoint_files_and_planted_code_is_refused(tmp_path):
 
     with open(os.path.join(folder, last["shards"], ".metadata"), "wb") as f:
         pickle.dump(Payload(), f)
-    with pytest.raises(sharded.UnsafeCheckpointError, match="posix.system|os.system"):
-        sharded.read_metadata(os.path.join(folder, last["shards"]))
+    with pytest.raises(shard_io.UnsafeCheckpointError, match="posix.system|os.system"):
+        shard_io.read_metadata(os.path.join(folder, last["shards"]))
     path, state = checkpoint.CheckpointFolder(folder).find_resumable()    # resume falls back to last.prev.pth
     assert path.endswith("last.prev.pth") and not witness.exists()
     # and a torch.load of the same file would have run it: the test's payload is real

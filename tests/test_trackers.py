@@ -22,7 +22,7 @@ from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.utils import setup_config
-from conftest import ROOT, ToyTrainer, toy_cfg
+from conftest import ROOT, ToyTrainer, toy_cfg, weight_diff
 
 PY = sys.executable
 STEPS = 4           # 64 train samples / batch 16
@@ -180,10 +180,14 @@ def killed_and_resumed(tmp_path_factory, empty_store):
             "imported": result["imported"]}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_import_basetrainer_imports_no_tracker(killed_and_resumed):
     assert killed_and_resumed["imported"] == []
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @needs_mlflow
 def test_mlflow_one_run_each_epoch_once_equal_to_history_csv(killed_and_resumed):
     work, rows, killed_rows = killed_and_resumed["work"], killed_and_resumed["rows"], killed_and_resumed["killed_rows"]
@@ -208,6 +212,8 @@ def test_mlflow_one_run_each_epoch_once_equal_to_history_csv(killed_and_resumed)
     assert [last_of_epoch[e] for e in range(EPOCHS + 1)] == pytest.approx([r["train/loss"] for r in rows], rel=1e-6)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @needs_mlflow
 def test_mlflow_params_are_the_config_and_a_changed_key_is_a_tag(killed_and_resumed):
     work = killed_and_resumed["work"]
@@ -224,6 +230,8 @@ def test_mlflow_params_are_the_config_and_a_changed_key_is_a_tag(killed_and_resu
     assert not any(k.startswith("config_changed.") and k != "config_changed.num_epochs" for k in tags)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @needs_mlflow
 def test_mlflow_best_model_artifact_is_the_checkpoints_best_file(killed_and_resumed):
     import torch
@@ -237,7 +245,7 @@ def test_mlflow_best_model_artifact_is_the_checkpoints_best_file(killed_and_resu
     local = client.download_artifacts(runs[0].info.run_id, f"best_model/{os.path.basename(best[0])}",
                                       str(work / "downloaded"))
     a, b = torch.load(local, weights_only=True), torch.load(best[0], weights_only=True)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert weight_diff(a, b) == 0.0
     assert os.path.isdir(work / "mlflow-artifacts")           # the local store keeps them under work_dir
 
 
@@ -287,6 +295,8 @@ def _wandb_runs(work):
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @needs_wandb
 def test_wandb_offline_one_run_each_epoch_once_equal_to_history_csv(killed_and_resumed):
     work, rows, killed_rows = killed_and_resumed["work"], killed_and_resumed["rows"], killed_and_resumed["killed_rows"]
@@ -334,6 +344,7 @@ def _run(work, callbacks, **cfg):
     return t, t.run()
 
 
+@pytest.mark.slow
 @needs_mlflow
 def test_mlflow_logger_in_build_callbacks_resumes_its_run(tmp_path, empty_store, caplog):
     from basetrainer.callbacks.mlflow_logger import MLflowLogger
@@ -416,6 +427,7 @@ def test_unreachable_store_warns_once_and_training_finishes(tmp_path, caplog):
     assert len(history) == 2 and [r["epoch"] for r in _csv(work / "log" / "history.csv")] == [0, 1]
 
 
+@pytest.mark.slow
 @needs_wandb
 def test_failing_wandb_log_warns_once(tmp_path, monkeypatch, caplog):
     import wandb
@@ -613,6 +625,7 @@ def _assert_one_early_warning_and_the_same_figures(caplog, clock, name, history,
     return warnings[0].getMessage(), waited
 
 
+@pytest.mark.slow
 @needs_mlflow
 def test_a_dead_mlflow_server_costs_seconds_and_one_warning(tmp_path, caplog, dead_port, hang_guard):
     from basetrainer.callbacks.mlflow_logger import MLflowLogger
@@ -630,6 +643,7 @@ def test_a_dead_mlflow_server_costs_seconds_and_one_warning(tmp_path, caplog, de
     assert not glob.glob(str(work / "mlflow*"))   # no local store instead
 
 
+@pytest.mark.slow
 @needs_wandb
 def test_an_unreachable_wandb_server_costs_seconds_and_one_warning(tmp_path, caplog, dead_port, hang_guard,
                                                                    monkeypatch):
@@ -669,6 +683,7 @@ def _dead_store_under_ddp(rank, work, port):
             "warnings": [m for m in messages if "MLflowLogger" in m]}
 
 
+@pytest.mark.slow
 @needs_mlflow
 @pytest.mark.distributed
 def test_a_dead_mlflow_server_under_ddp_costs_every_rank_seconds(tmp_path, dead_port):

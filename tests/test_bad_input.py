@@ -258,6 +258,7 @@ def test_good_file_round_trip_and_module_prefix(tiny_pth, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_weights_for_another_architecture(tmp_path):
     import torchvision
     r18 = str(tmp_path / "resnet18.pth")

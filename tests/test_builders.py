@@ -33,6 +33,7 @@ def first_conv(model: nn.Module) -> nn.Conv2d:
 
 
 # ------------------------------------------------------------------------------ models
+@pytest.mark.slow
 @pytest.mark.parametrize("net_type", ["resnet18", "mobilenet_v2", "mobilenet_v3_small", "efficientnet_b0"])
 def test_get_models_small_input_shape_and_stem(net_type):
     torch.manual_seed(0)

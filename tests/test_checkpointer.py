@@ -58,6 +58,7 @@ class Seen(Callback):
         self.first = self.first or ("test", epoch, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,position,start,first", [
     ("train", (1, "train", 2), (1, 2), ("train", 1, 2)),   # after step 1: the next step is 2
     ("test", (1, "test", 4), (1, 4), ("test", 1, 0)),      # the test phase is done again

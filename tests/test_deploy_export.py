@@ -209,6 +209,7 @@ def test_input_size_the_model_cannot_take(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_export_leaves_the_users_model_alone(tmp_path):
     model = small_net().train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -230,6 +231,7 @@ def test_latency_rows_interleaved_with_eager(tmp_path):
     assert "| pytorch | PyTorch (eager) |" in table and "batch 4 ms (IQR)" in table
 
 
+@pytest.mark.slow
 def test_exporter_choice_and_engine_quantization_on_load(tmp_path):
     from basetrainer.deploy.onnx_format import pick_exporter
     from basetrainer.engine.onnx_engine import ONNXEngine

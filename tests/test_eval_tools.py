@@ -177,6 +177,7 @@ def _brute_force(emb, same, folds, far_target):
     return np.array(accs), np.array(bests), np.mean(vals), np.std(vals), np.mean(fars)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("folds", [10, 7])
 def test_verification_equals_an_independent_count(folds):
     emb, same = _pairs()

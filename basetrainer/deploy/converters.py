@@ -25,6 +25,7 @@ from torch import nn
 
 from basetrainer.deploy.onnx_format import ExportError
 from basetrainer.deploy.runtimes import MissingRuntimeError, mnn_converter, pnnx_binary, require
+from basetrainer.deploy.signal_stack import kept_signal_stack
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def write_openvino(onnx_file: str, xml_file: str, fp16: bool = False) -> List[st
     try:
         # Core.read_model, not openvino.convert_model: the same ONNX frontend, without the model
         # converter's usage telemetry (sent by default when no consent file exists)
-        model = ov.Core().read_model(onnx_file)
-        ov.save_model(model, xml_file, compress_to_fp16=bool(fp16))
+        with kept_signal_stack():   # OpenVINO may swap the thread's signal stack (see deploy.signal_stack)
+            model = ov.Core().read_model(onnx_file)
+            ov.save_model(model, xml_file, compress_to_fp16=bool(fp16))
     except Exception as e:
         raise ExportError(f"OpenVINO could not convert {onnx_file!r} ({type(e).__name__}: "
                           f"{_tail(str(e), 600)})") from e

@@ -13,6 +13,7 @@ import numpy as np
 
 from basetrainer.deploy.engines.base import InferenceEngine, check_quant, fall_back_to_cpu
 from basetrainer.deploy.runtimes import require
+from basetrainer.deploy.signal_stack import kept_signal_stack
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ class OpenVINOEngine(InferenceEngine):
         if num_thread:
             config["INFERENCE_NUM_THREADS"] = int(num_thread)
         try:
-            model = core.read_model(model_file)
-            self.compiled = core.compile_model(model, self.device, config)
+            with kept_signal_stack():   # OpenVINO swaps the thread's signal stack (see deploy.signal_stack)
+                model = core.read_model(model_file)
+                self.compiled = core.compile_model(model, self.device, config)
         except Exception as e:
             raise ValueError(f"OpenVINO cannot load {model_file!r} ({type(e).__name__}: "
                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); export it again") from e

@@ -3,6 +3,7 @@ from 1, 2 and 3 ranks, TensorBoard images and tracker artifacts, Grad-CAM, bad i
 import importlib.util
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -360,3 +361,15 @@ def test_wandb_puts_the_files_in_one_artifact(monkeypatch, tmp_path):
     logger._artifacts([str(tmp_path / "roc.png"), str(tmp_path / "report.json")], "eval")
     assert len(logged) == 1 and logged[0].type == "evaluation"
     assert {"eval/roc.png", "eval/report.json"} <= set(logged[0].manifest.entries)
+
+
+def test_without_log_history_or_work_dir_the_images_go_beside_the_report(tmp_path, monkeypatch):
+    """TensorBoard's images of a report whose trainer has no LogHistory and no work_dir went to the
+    current folder's log/ (test runs left log/ in the repository); they go beside the report."""
+    monkeypatch.chdir(tmp_path)
+    report = EvalReport(out_dir=str(tmp_path / "rep"))
+    report.trainer = types.SimpleNamespace(cfg={}, callbacks=[])
+    writer = report._tensorboard(None)
+    writer.close()
+    assert not (tmp_path / "log").exists()
+    assert os.path.isdir(tmp_path / "rep" / "log") and os.listdir(tmp_path / "rep" / "log")

@@ -20,6 +20,7 @@ class _CheckpointedToy(ToyTrainer):
                                                         indicator="loss", mode="min")]
 
 
+@pytest.mark.distributed   # starts two processes
 def test_two_runs_started_together_do_not_both_claim_the_folder(tmp_path, monkeypatch):
     """Two processes whose run() starts in the same instant into one empty work_dir both passed
     the liveness check before either wrote its marker, and both trained into the folder (seen

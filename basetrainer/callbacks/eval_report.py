@@ -253,7 +253,10 @@ class EvalReport(Callback):
             from torch.utils.tensorboard import SummaryWriter
 
             cfg = getattr(self.trainer, "cfg", None)
-            log_dir = getattr(history, "log_dir", None) or os.path.join(_get(cfg, "work_dir") or ".", "log")
+            work_dir = _get(cfg, "work_dir")
+            # no LogHistory: the run's log folder, else beside the report (never the current folder's log/)
+            log_dir = getattr(history, "log_dir", None) or (
+                os.path.join(work_dir, "log") if work_dir else os.path.join(self.out_dir or "eval", "log"))
             self._writer = SummaryWriter(log_dir=log_dir)
         return self._writer
 

@@ -1,6 +1,7 @@
 """Benchmark basetrainer's training loop against a hand-written PyTorch loop.
 
-    .venv/bin/python bench/bench_loop.py --out docs        # everything; writes docs/benchmarks.{md,png}
+    .venv/bin/python bench/bench_loop.py --out docs --readme README.md   # everything; docs/benchmarks.{md,png}
+                                                                         # and README's speed section
     .venv/bin/python bench/bench_loop.py --quick           # a short run of everything
     .venv/bin/python bench/bench_loop.py --cases tiny ddp  # some cases only
 
@@ -259,6 +260,8 @@ def get_parser() -> argparse.ArgumentParser:
                              "or the groups tiny, resnet18, all")
     parser.add_argument("--out", default=None, help="folder for benchmarks.md and benchmarks.png (e.g. docs)")
     parser.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
+    parser.add_argument("--readme", default=None, metavar="README",
+                        help="also rewrite README's speed section (between its markers) with these figures")
     parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
                         help="run nothing: print and write (--out) the figures of earlier --json files (the "
                              "sections of later files are added to, or replace, those of the first)")
@@ -370,6 +373,9 @@ def finish(results: Dict[str, Any], args: argparse.Namespace, command: str, say:
         docs.write_markdown(os.path.join(args.out, "benchmarks.md"), results, command, CANONICAL)
         docs.write_png(os.path.join(args.out, "benchmarks.png"), results)
         say(f"wrote {os.path.join(args.out, 'benchmarks.md')} and {os.path.join(args.out, 'benchmarks.png')}")
+    if args.readme:
+        docs.write_readme(args.readme, results)
+        say(f"wrote the speed section of {args.readme}")
     say("\nREADME paragraph:\n\n" + docs.readme_paragraph(results))
 
 

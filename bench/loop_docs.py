@@ -272,6 +272,48 @@ def readme_paragraph(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+README_BEGIN, README_END = "<!-- speed: written by bench/bench_loop.py --readme README.md -->", "<!-- /speed -->"
+
+
+def readme_section(results: Dict[str, Any]) -> str:
+    """README's speed section: one row per loop case (its loader and callbacks, overhead per step in
+    CPU time and the ratio, each with its bootstrap 95% interval), between the markers."""
+    info = results["machine"]
+    rows = [case_row(n, c) for n, c in results.get("cases", {}).items()]
+    lines = [README_BEGIN,
+             f"Against a hand-written PyTorch loop doing the same work ({info['cpu']}, {info['cores']} cores, "
+             f"{info['threads']} torch thread, {info['date']}, load {info['load_start']:.1f}; CPU time, median of "
+             f"paired runs [95% interval]; [benchmarks](docs/benchmarks.md)):", "",
+             "| case | basetrainer gets | overhead us/step | ratio to the hand loop |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['case']}` | {r['setup']} | {r['cpu_overhead_us']:.0f} [{r['cpu_overhead_lo']:.0f}, "
+                     f"{r['cpu_overhead_hi']:.0f}] | {r['cpu_ratio']:.3f} [{r['cpu_ratio_lo']:.3f}, "
+                     f"{r['cpu_ratio_hi']:.3f}] |")
+    seeding = results.get("seeding") or {}
+    if seeding:
+        name, v = next(iter(seeding.items()))
+        lines += ["", f"Per-sample seeding is paid only for the generators a data set draws from; it stays in the "
+                      f"loader ({name}: {v['per_item_us']:.2f} us per item + {v['per_batch_us']:.1f} us per batch, "
+                      f"CPU time, 0 workers). The test gate counts ops, host syncs and Python calls per step "
+                      f"(`tests/test_budget.py`), not times."]
+    lines.append(README_END)
+    return "\n".join(lines)
+
+
+def write_readme(path: str, results: Dict[str, Any]) -> None:
+    """Replace README's speed section (between the markers) with this run's."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path} has no speed section between {README_BEGIN!r} and {README_END!r}")
+    text = text[:start] + readme_section(results) + text[end + len(README_END):]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 PEERS_BEGIN, PEERS_END = "<!-- peers: written by bench/bench_peers.py -->", "<!-- /peers -->"
 
 

@@ -1,8 +1,11 @@
 """A hostile pass over the issue 28 fixes and the export/eval features: what broke, kept as tests."""
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -11,6 +14,45 @@ from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.engine import resume as resume_mod
 from basetrainer.runtime import run_folder
 from tests.conftest import ToyTrainer, toy_cfg
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def _http_server(answer):
+    """A server on 127.0.0.1 that hands each connection to ``answer(conn, stop)`` in a thread;
+    yields its URI, and stops (``stop`` set, socket closed) when the block ends."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn, stop), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        server.close()
+
+
+def _run_child(code, timeout):
+    """Run ``python -c code``; killed after ``timeout`` s. Returns (stdout, stderr, process)."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    return out, err, child
 
 
 class _CheckpointedToy(ToyTrainer):
@@ -78,17 +120,11 @@ def test_a_trickling_mlflow_server_costs_seconds_not_forever(tmp_path):
     """A server that answers the reachability probe's HEAD at once, then drips one byte of every
     other answer each 0.5 s. The run must warn and train within a bounded time (here 60 s for
     timeout=1 s; the slowest dead-server case, accept-and-never-answer, costs about 2 timeouts)."""
-    import socket
-    import threading
     import time
 
     pytest.importorskip("mlflow")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    stop = threading.Event()
 
-    def answer(conn):
+    def answer(conn, stop):
         with conn:
             try:
                 first = conn.recv(65536).split(b"\r\n", 1)[0]
@@ -103,27 +139,9 @@ def test_a_trickling_mlflow_server_costs_seconds_not_forever(tmp_path):
             except OSError:
                 pass
 
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    uri = f"http://127.0.0.1:{server.getsockname()[1]}"
-    code = _TRICKLE_CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), uri=uri,
-                                 work_dir=str(tmp_path / "run"))
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = child.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
-    finally:
-        stop.set()
-        server.close()
+    with _http_server(answer) as uri:
+        code = _TRICKLE_CHILD.format(root=ROOT, uri=uri, work_dir=str(tmp_path / "run"))
+        out, err, child = _run_child(code, timeout=60)
     assert child.returncode == 0 and "TRAINED" in out, err[-2000:]
     assert "MLflowLogger" in err and "training goes on" in err
 
@@ -214,17 +232,11 @@ print("TRAINED")
                                        "costs wandb.init's init_timeout (90 s; 108 s measured) before the warning; "
                                        "MLflow's bounded requests give 10 s for the same server")
 def test_a_wandb_server_that_answers_only_the_probe_costs_seconds(tmp_path):
-    import socket
-    import threading
     import time
 
     pytest.importorskip("wandb")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    stop = threading.Event()
 
-    def answer(conn):
+    def answer(conn, stop):
         with conn:
             try:
                 if conn.recv(65536).startswith(b"HEAD / "):
@@ -234,26 +246,9 @@ def test_a_wandb_server_that_answers_only_the_probe_costs_seconds(tmp_path):
             except OSError:
                 pass
 
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    code = _WANDB_CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               uri=f"http://127.0.0.1:{server.getsockname()[1]}", work_dir=str(tmp_path / "run"))
-    started = time.monotonic()
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = child.communicate(timeout=45)   # imports and a 1-epoch toy run take ~10 s here
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
-    finally:
-        stop.set()
-        server.close()
+    with _http_server(answer) as uri:
+        code = _WANDB_CHILD.format(root=ROOT, uri=uri, work_dir=str(tmp_path / "run"))
+        started = time.monotonic()
+        out, err, child = _run_child(code, timeout=45)   # imports and a 1-epoch toy run take ~10 s here
     assert child.returncode == 0 and "TRAINED" in out, f"after {time.monotonic() - started:.0f} s: {err[-2000:]}"
     assert "WandbLogger" in err and "training goes on" in err

@@ -23,7 +23,7 @@ from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.models.build_models import get_models
 from basetrainer.runtime import atomic
 from basetrainer.utils import setup_config
-from conftest import ROOT, ToyTrainer, free_port, make_image_folder, run_distributed, toy_cfg
+from conftest import ROOT, ToyTrainer, free_port, make_image_folder, run_distributed, toy_cfg, weight_diff
 
 SIZE = 16
 
@@ -62,10 +62,10 @@ class ImageTrainer(ToyTrainer):
                                          distributed=cfg.distributed)
 
 
-def train(work: str, ema: bool = False, **over):
-    cfg = toy_cfg(work_dir=work, net_type="resnet18", input_size=[SIZE, SIZE], num_classes=4, num_epochs=1,
-                  batch_size=8, lr=0.01, **over)
-    callbacks = ([ModelEMA(decay=0.5, evaluate=False)] if ema else []) + [
+def train(work: str, ema: bool = False, evaluate: bool = False, **over):
+    settings = dict(net_type="resnet18", input_size=[SIZE, SIZE], num_classes=4, num_epochs=1, batch_size=8, lr=0.01)
+    cfg = toy_cfg(work_dir=work, **{**settings, **over})
+    callbacks = ([ModelEMA(decay=0.5, evaluate=evaluate)] if ema else []) + [
         AccuracyRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="Accuracy",
                                             async_save=False)]
     t = ImageTrainer(cfg, callbacks=callbacks)
@@ -221,6 +221,30 @@ def test_sharded_last_pth(tmp_path):
     export_model(last, "onnx", out_dir=str(tmp_path / "out"), check=x, runs=0, name="m")
     reference = load_model(os.path.join(work, "model", best), net_type="resnet18", input_size=[SIZE, SIZE]).model
     assert np.abs(onnx_outputs(str(tmp_path / "out" / "m.onnx"), x) - eager(reference, x)).max() <= 1e-4
+
+
+def _fsdp_ema_train(rank, work):
+    # convnext_tiny: a torchvision model without BatchNorm (fsdp + ModelEMA + BatchNorm is issue 31.10)
+    train(work, ema=True, evaluate=True, strategy="fsdp", distributed=True, net_type="convnext_tiny")
+    return rank
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_last_pth_exports_the_ema_average(tmp_path):
+    """A sharded last.pth with --weights ema gives ModelEMA's average (gathered from its shards),
+    not the live weights; the best file (ModelEMA(evaluate=True): the average) is the reference."""
+    work = str(tmp_path / "run")
+    run_distributed(_fsdp_ema_train, 2, tmp_path, work, timeout=600)
+    folder = os.path.join(work, "model")
+    last = os.path.join(folder, "last.pth")
+    best = os.path.join(folder, next(n for n in os.listdir(folder) if n.startswith("best_model_")))
+    average = load_model(best, net_type="convnext_tiny", input_size=[SIZE, SIZE]).model.state_dict()
+    ema = load_model(last, weights="ema")
+    live = load_model(last, weights="model").model.state_dict()
+    assert ema.description == "last.pth (convnext_tiny, 4 classes)"
+    assert weight_diff(ema.model.state_dict(), average) == 0.0
+    assert weight_diff(live, average) > 1e-3
 
 
 # ----------------------------------------------------------------------------- the command line

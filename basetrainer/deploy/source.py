@@ -3,8 +3,8 @@
 A module is looked through its wrappers (DataParallel, DDP, ``torch.compile``, an EMA wrapper
 such as ``torch.optim.swa_utils.AveragedModel``, basetrainer's ``ModelEMA`` callback). A file
 may be a weights file (``best_model_*.pth``, ``model_*.pth``: a state dict), a resumable
-``last.pth`` (its config names the model), a sharded ``last.pth`` (made one file first, see
-:func:`basetrainer.runtime.sharded.consolidate`) or a pruned model's ``pruned_model.pth``.
+``last.pth`` (its config names the model), a sharded ``last.pth`` (its weights, or its EMA
+average, read whole from its shard folder) or a pruned model's ``pruned_model.pth``.
 A model trained after structural pruning has smaller layers than the dense model of its
 ``net_type``: they are rebuilt from the run's ``prune/pruned_model.pth`` (found from the config,
 or given as ``pruned``).
@@ -12,7 +12,6 @@ or given as ``pruned``).
 import copy
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -75,7 +74,8 @@ def load_model(source: Union[str, nn.Module, Any], net_type: Optional[str] = Non
             ``setup_config.yaml`` beside the run's ``model/`` folder is read when present;
             ``num_classes`` is read from the weights otherwise). Given ones win.
         pruned: the ``pruned_model.pth`` (or its folder) whose layer shapes the weights have.
-        weights: ``"model"`` or ``"ema"`` (the ModelEMA average inside a resumable checkpoint).
+        weights: ``"model"`` or ``"ema"`` (the ModelEMA average inside a resumable checkpoint,
+            a sharded one too).
 
     Raises:
         FileNotFoundError: no such file. ValueError: the file holds no weights, the weights do
@@ -96,14 +96,13 @@ def load_model(source: Union[str, nn.Module, Any], net_type: Optional[str] = Non
     obj = checkpoint.load_file(path)
     config = _config_of(obj, path)
     if isinstance(obj, dict) and obj.get("format") == PRUNED_FORMAT:
+        if weights == "ema":
+            raise ValueError(f"{path!r} is a pruned model's file and holds no ModelEMA average (weights='ema' needs "
+                             f"a resumable last.pth of a run trained with the ModelEMA callback); use weights='model'")
         pruned, state = path, obj["state_dict"]
         logger.info("%s is a pruned model's file: its weights are the ones right after pruning", path)
-    elif isinstance(obj, dict) and obj.get("shards"):
-        state = _consolidated(path)
-    elif weights == "ema":
-        state = _ema_weights(obj, path)
     else:
-        state = checkpoint.extract_state_dict(obj, source=f"checkpoint {path!r}")
+        state = _weights(obj, path, weights)
     net_type = net_type or config.get("net_type")
     size = list(input_size) if input_size else config.get("input_size")
     if not net_type:
@@ -138,15 +137,21 @@ def _config_of(obj: Any, path: str) -> Dict[str, Any]:
     return {}
 
 
-def _consolidated(path: str) -> Dict[str, torch.Tensor]:
-    from basetrainer.runtime import sharded
+def _weights(obj: Any, path: str, which: str) -> Dict[str, torch.Tensor]:
+    """The model's weights (``which="model"``) or ModelEMA's average (``"ema"``) in the loaded
+    file ``obj``. A sharded ``last.pth`` holds pointers (``"dcp:<key>"``) where its tensors
+    were, for the average as for the weights: those are read whole from its shard folder."""
+    part = _ema_state(obj, path) if which == "ema" else obj
+    if isinstance(obj, dict) and obj.get("shards"):
+        from basetrainer.runtime import sharded
 
-    with tempfile.TemporaryDirectory(prefix="basetrainer-export-") as tmp:
-        out = sharded.consolidate(path, os.path.join(tmp, "model.pth"))
-        return checkpoint.extract_state_dict(checkpoint.load_file(out), source=f"sharded checkpoint {path!r}")
+        part = part.get("model") if which == "model" and isinstance(part, dict) else part
+        folder = os.path.dirname(os.path.abspath(path))
+        part = sharded.load({"shards": obj["shards"], "part": part}, folder, mesh=None)["part"]
+    return checkpoint.extract_state_dict(part, source=f"checkpoint {path!r}")
 
 
-def _ema_weights(obj: Any, path: str) -> Dict[str, torch.Tensor]:
+def _ema_state(obj: Any, path: str) -> Dict[str, Any]:
     states = obj.get("callbacks", {}) if isinstance(obj, dict) else {}
     for state in states.values():
         if isinstance(state, dict) and "decay" in state and state.get("ema"):

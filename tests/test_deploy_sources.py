@@ -196,6 +196,9 @@ def test_pruned_model_exports_with_its_smaller_shapes(tmp_path):
     assert np.abs(onnx_outputs(str(tmp_path / "out" / "m.onnx"), x) - eager(pruned, x)).max() <= 1e-4
     src = load_model(os.path.join(work, "prune", "pruned_model.pth"), net_type="resnet18", input_size=[SIZE, SIZE])
     assert src.model.conv1.out_channels == pruned.conv1.out_channels < 64
+    with pytest.raises(ValueError, match=r"is a pruned model's file and holds no ModelEMA average"):
+        load_model(os.path.join(work, "prune", "pruned_model.pth"), net_type="resnet18", input_size=[SIZE, SIZE],
+                   weights="ema")
     os.rename(os.path.join(work, "prune"), os.path.join(work, "elsewhere"))
     with pytest.raises(ValueError, match=r"shape mismatch.*--pruned <work_dir>/prune/pruned_model.pth"):
         load_model(best)

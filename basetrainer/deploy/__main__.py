@@ -19,6 +19,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="weights file, last.pth (sharded too) or pruned_model.pth")
     parser.add_argument("--format", default="onnx", help=f"comma-separated, from {sorted(FORMATS)}")
     parser.add_argument("--input-size", nargs=2, type=int, metavar=("W", "H"), help="default: the run's input_size")
+    parser.add_argument("--channels", type=int, help="the image's channels (default: the model's first layer's)")
     parser.add_argument("--check", help="validation ImageFolder the exports are checked on (default: random inputs)")
     parser.add_argument("--check-limit", type=int, help="check on at most this many of its images")
     parser.add_argument("--calibration", help="training ImageFolder for onnx-int8 (default: train/ beside --check)")
@@ -51,6 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         report = export_model(args.checkpoint, args.format, out_dir=args.out_dir, input_size=args.input_size,
+                              channels=args.channels,
                               net_type=args.net_type, num_classes=args.num_classes, pruned=args.pruned,
                               weights=args.weights, check=args.check, check_limit=args.check_limit,
                               calibration=args.calibration, calibration_images=args.calibration_images,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from basetrainer.deploy import data as image_data
+from basetrainer.deploy import inputs
 from basetrainer.deploy.files import size_of, staging
 from basetrainer.deploy.formats import HARDWARE, Job, check_installed, parse_formats
 from basetrainer.deploy.latency import interleaved
@@ -32,7 +33,7 @@ from basetrainer.deploy.onnx_format import ExportError, pick_exporter
 from basetrainer.deploy.parity import BOUNDS, ParityError, compare, failures
 from basetrainer.deploy.report import ExportReport, Row
 from basetrainer.deploy.runtimes import require
-from basetrainer.deploy.source import ModelSource, load_model
+from basetrainer.deploy.source import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                  batch: int = 37, simplify: bool = True, exporter: str = "auto", opset: Optional[int] = None,
                  runs: int = 20, warmup: int = 3, threads: Optional[int] = None, name: Optional[str] = None,
                  strict: bool = True, dynamic: bool = True, input_names: Sequence[str] = ("input",),
-                 output_names: Sequence[str] = ("output",), report_files: bool = True) -> ExportReport:
+                 output_names: Sequence[str] = ("output",), report_files: bool = True,
+                 channels: Optional[int] = None) -> ExportReport:
     """Export ``source`` to ``formats`` in ``out_dir``, checked on ``check``, and return the report.
 
     Args:
@@ -76,6 +78,9 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         dynamic: the exported batch axis is dynamic (``False``: a fixed batch of 1).
         input_names, output_names: the ONNX graph's names.
         report_files: write ``<name>.export.json`` and ``.md`` into ``out_dir``.
+        channels: the image's channels (default: those of the layer the image reaches first in
+            the model's forward pass; see :mod:`.inputs`). A value that layer does not take is
+            an error.
 
     Raises:
         ValueError, FileNotFoundError, MissingRuntimeError: bad input, before any file is written.
@@ -86,10 +91,14 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
     check_installed(chosen)
     if any(f.name not in HARDWARE and "onnx" in f.modules for f in chosen) and pick_exporter(exporter, opset) == "dynamo":
         require("onnxscript")
+    inputs.check_counts(batch=batch, runs=runs, warmup=warmup, calibration_images=calibration_images,
+                        threads=threads, check_limit=check_limit)
     src = load_model(source, net_type, num_classes, list(input_size) if input_size else None, pruned, weights)
-    size = _input_size(src, input_size)
-    shape = (1, _channels(src.model), size[1], size[0])
-    _check_forward(src, shape)
+    size = inputs.input_size(input_size, src.input_size)
+    inputs.check_one_input(src.model)
+    channels, guessed = inputs.channels_of(src.model, size, channels)
+    shape = (1, channels, size[1], size[0])
+    inputs.check_forward(src.model, shape, src.input_size, guessed)
     images = _images(check, shape, check_limit, mean, std)
     reference = _eager(src.model, images.inputs)
     if images.labels is not None and reference[0].ndim == 2 and reference[0].shape[1] != len(images.classes):
@@ -158,34 +167,6 @@ def _export_one(fmt: Any, job: Job, row: Row, images: Any, reference: List[np.nd
     return engine
 
 
-def _input_size(src: ModelSource, input_size: Optional[Sequence[int]]) -> List[int]:
-    size = list(input_size) if input_size else src.input_size
-    if not size:
-        raise ValueError("the input size is unknown: pass input_size=[W, H] (--input-size W H)")
-    if len(size) != 2 or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in size):
-        raise ValueError(f"input_size={list(size)!r} must be two positive integers [W, H] (--input-size 32 32)")
-    return [int(v) for v in size]
-
-
-def _channels(model: nn.Module) -> int:
-    first = next((m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))), None)
-    return first.in_channels if isinstance(first, nn.Conv2d) else 3
-
-
-def _check_forward(src: ModelSource, shape: Sequence[int]) -> None:
-    try:
-        with torch.inference_mode():
-            src.model(torch.zeros(2, *shape[1:]))
-    except Exception as e:
-        failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if src.input_size and list(src.input_size) == [shape[3], shape[2]]:
-            raise ValueError(f"the model's forward pass fails on inputs of {shape[3]}x{shape[2]} (W x H), the size "
-                             f"it was trained at: {failure}") from None
-        trained = f" (it was trained at {src.input_size[0]}x{src.input_size[1]})" if src.input_size else ""
-        raise ValueError(f"the model cannot take inputs of {shape[3]}x{shape[2]} (W x H){trained}: its forward pass "
-                         f"fails with {failure}. Pass the size it was trained at (--input-size W H)") from None
-
-
 def _images(check: Any, shape: Sequence[int], limit: Optional[int], mean: Sequence[float],
             std: Sequence[float]) -> image_data.Images:
     if check is None:
@@ -218,11 +199,11 @@ def _calibration(calibration: Any, check: Any, chosen: Sequence[Any], shape: Seq
     return _images(calibration, shape, count, mean, std).inputs
 
 
-def _eager(model: nn.Module, inputs: np.ndarray, chunk: int = 64) -> List[np.ndarray]:
+def _eager(model: nn.Module, x: np.ndarray, chunk: int = 64) -> List[np.ndarray]:
     parts: List[List[np.ndarray]] = []
     with torch.inference_mode():
-        for i in range(0, len(inputs), chunk):
-            out = model(torch.from_numpy(inputs[i:i + chunk]))
+        for i in range(0, len(x), chunk):
+            out = model(torch.from_numpy(x[i:i + chunk]))
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if not all(isinstance(o, torch.Tensor) for o in outs):
                 raise ValueError(f"{type(model).__name__} returns {type(out).__name__}: export needs a model that "

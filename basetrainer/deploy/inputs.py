@@ -1,0 +1,157 @@
+"""What an export feeds the model: one image input ``(N, C, H, W)``, checked before any file is written.
+
+- One input: a ``forward`` that needs more than the image is refused (:func:`check_one_input`).
+- The channels ``C``: those of the layer the image reaches first in a forward pass (a probe that
+  stops there, :func:`first_layer`), not of the first convolution registered, which may sit
+  anywhere in the forward (a head registered first, a stem after its blocks). Given ones are
+  checked against that layer; with no convolution on the image's way, 3 is a guess, and a forward
+  pass that fails then names the option.
+- The size ``W x H``: the one given, else the one the run trained at.
+"""
+import inspect
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+CHANNELS_GUESS = 3   # RGB: the channels assumed when no convolution takes the image
+
+
+class _Reached(Exception):
+    """Raised by the probe's hook to stop the forward pass at the first layer it reaches."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def first_layer(model: nn.Module, size: Sequence[int]) -> Optional[Tuple[str, nn.Module]]:
+    """``(name, module)`` of the layer with ``in_channels`` (a convolution) that the image reaches
+    first in ``model``'s forward pass on ``size`` ``[W, H]``, or None when the forward pass reaches
+    none. The probe stops right before that layer runs, so it never fails on a wrong channel count
+    of the probe input (tried with 3 channels, then 1, for a forward that looks at the channels
+    before its first convolution)."""
+    names = {m: n for n, m in model.named_modules()}
+    layers = [m for m in model.modules() if isinstance(getattr(m, "in_channels", None), int)]
+
+    def stop(module: nn.Module, args: Any) -> None:
+        raise _Reached(module)
+
+    handles = [m.register_forward_pre_hook(stop) for m in layers]
+    try:
+        for channels in (CHANNELS_GUESS, 1):
+            try:
+                with torch.inference_mode():
+                    model(torch.zeros(1, channels, int(size[1]), int(size[0])))
+            except _Reached as reached:
+                return names[reached.module], reached.module
+            except Exception:   # the probe input did not fit before any layer: try another
+                continue
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def channels_of(model: nn.Module, size: Sequence[int], given: Optional[int] = None) -> Tuple[int, bool]:
+    """``(channels, guessed)``: the channels the image has, from the layer it reaches first, or
+    ``given`` (checked against that layer); ``guessed`` when neither tells.
+
+    Raises:
+        ValueError: ``given`` is not a positive integer, or not what that layer takes (the message
+            names both and the option).
+    """
+    if given is not None and (not isinstance(given, (int, np.integer)) or isinstance(given, bool) or given < 1):
+        raise ValueError(f"channels={given!r} must be a positive integer (--channels 1 for grayscale, 3 for RGB)")
+    found = first_layer(model, size)
+    if found is None:
+        return (int(given), False) if given is not None else (CHANNELS_GUESS, True)
+    name, layer = found
+    if given is not None and int(given) != layer.in_channels:
+        raise ValueError(f"channels={given}, but the layer the image reaches first ({name}, {type(layer).__name__}) "
+                         f"takes {layer.in_channels} channel(s); pass channels={layer.in_channels} "
+                         f"(--channels {layer.in_channels})")
+    return layer.in_channels, False
+
+
+def check_one_input(model: nn.Module) -> None:
+    """Refuse a model whose ``forward`` needs more than one input: export feeds it one image.
+
+    Raises:
+        ValueError: naming the forward's signature and what to do.
+    """
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):   # a forward without a signature (C code): the probe will tell
+        return
+    params = signature.parameters.values()
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    needed = [p.name for p in params if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if len(needed) > 1:
+        shown = ", ".join(p.name for p in params)
+        raise ValueError(f"export takes one image input, and {type(model).__name__}.forward({shown}) needs "
+                         f"{len(needed)} ({', '.join(needed)}): wrap the model in a module whose forward(x) takes "
+                         f"the image alone and gives the other inputs their values")
+
+
+def input_size(given: Optional[Sequence[int]], trained: Optional[Sequence[int]]) -> List[int]:
+    """``[W, H]``: ``given``, else the size the run trained at.
+
+    Raises:
+        ValueError: neither is known, or it is not two positive integers.
+    """
+    size = list(given) if given else (list(trained) if trained else None)
+    if not size:
+        raise ValueError("the input size is unknown: pass input_size=[W, H] (--input-size W H)")
+    if len(size) != 2 or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in size):
+        raise ValueError(f"input_size={list(size)!r} must be two positive integers [W, H] (--input-size 32 32)")
+    return [int(v) for v in size]
+
+
+def check_forward(model: nn.Module, shape: Sequence[int], trained: Optional[Sequence[int]],
+                  guessed: bool = False) -> None:
+    """Run ``model`` on a batch of 2 inputs of ``shape`` ``(N, C, H, W)``; a failure is one error
+    that says what to pass (the size it trained at, or the channels when they were guessed).
+
+    Raises:
+        ValueError: the forward pass fails.
+    """
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(2, *shape[1:]))
+    except Exception as e:
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        what = f"inputs of {shape[3]}x{shape[2]} (W x H) with {shape[1]} channel(s)"
+        if guessed:
+            raise ValueError(f"the model cannot take {what}: its forward pass fails with {failure}. "
+                             f"{shape[1]} channels are a guess (no convolution takes the image): pass channels=C "
+                             f"(--channels C), and the size it was trained at (--input-size W H)") from None
+        if trained and list(trained) == [shape[3], shape[2]]:
+            raise ValueError(f"the model's forward pass fails on {what}, the size it was trained at: "
+                             f"{failure}") from None
+        was = f" (it was trained at {trained[0]}x{trained[1]})" if trained else ""
+        raise ValueError(f"the model cannot take {what}{was}: its forward pass fails with {failure}. "
+                         f"Pass the size it was trained at (--input-size W H)") from None
+
+
+def check_counts(**values: Any) -> None:
+    """Refuse numeric options out of range, by name: ``batch``, ``calibration_images`` and
+    ``threads``/``check_limit`` (when given) at least 1; ``runs`` and ``warmup`` at least 0.
+
+    Raises:
+        ValueError: ``<name>=<value> must be ...`` with the option to pass.
+    """
+    for name, value in values.items():
+        if value is None and name in ("threads", "check_limit"):
+            continue
+        least = 0 if name in ("runs", "warmup") else 1
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+            kind = "a positive integer" if least else "an integer >= 0"
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name}={value!r} must be {kind} ({flag} N, e.g. {flag} {_EXAMPLE.get(name, 1)})")
+
+
+_EXAMPLE = {"batch": 37, "runs": 20, "warmup": 3, "calibration_images": 200, "check_limit": 100, "threads": 4}

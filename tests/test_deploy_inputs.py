@@ -39,6 +39,21 @@ class StemAfterBlocks(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class ConvInAList(nn.Module):
+    """Its head is registered first; the layer that takes the image sits inside a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 2)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU()),
+                                     nn.Conv2d(8, 8, 3, padding=1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean((2, 3)))
+
+
 class Flat(nn.Module):
     """No convolution: an MLP on the flattened 1x16x16 image."""
 
@@ -56,7 +71,7 @@ def _onnx(tmp_path, model, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [LinearFirst, StemAfterBlocks])
+@pytest.mark.parametrize("make", [LinearFirst, StemAfterBlocks, ConvInAList])
 def test_channels_come_from_the_layer_the_image_reaches_first(tmp_path, make):
     from basetrainer.deploy.inputs import first_layer
 

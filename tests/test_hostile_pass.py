@@ -175,10 +175,10 @@ def test_a_full_disk_during_onnx_export_names_the_out_dir_not_the_staging_folder
     out_dir = os.path.join(tiny_tmpfs, "out")
     model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Flatten(), nn.LazyLinear(256)).eval()
     model(torch.zeros(1, 3, 8, 8))   # about 900 KB of weights: more than the disk holds
-    with files.staging(out_dir) as stage:
-        with pytest.raises(DiskFullError) as raised:
+    with pytest.raises(DiskFullError) as raised:
+        with files.staging(out_dir) as stage:   # the staging folder tells a full disk from other failures
             write_onnx(model, stage.path("m.onnx"), (1, 3, 8, 8), exporter="torchscript")
-    assert f"no space left in {out_dir} " in str(raised.value)
+    assert f"no space left in {out_dir}: " in str(raised.value)
     assert ".export-tmp-" not in str(raised.value)
     assert os.listdir(out_dir) == []   # nothing at the final path, the staging folder gone
 

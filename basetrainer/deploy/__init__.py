@@ -5,8 +5,10 @@ The rooms of this package (an application: it uses the runtime, builders and pru
 
 - :mod:`.source`: the model to export, from a module (wrappers looked through) or a file
   (weights, ``last.pth``, a sharded ``last.pth``, a pruned model's file).
+- :mod:`.inputs`: the one image input the model takes (its channels, its size), checked first.
 - :mod:`.onnx_format`, :mod:`.converters`: writing each format (ONNX with its fp16 and int8
-  variants; MNN, NCNN through pnnx, OpenVINO IR); :mod:`.files` makes them land atomically.
+  variants; MNN, NCNN through pnnx, OpenVINO IR); :mod:`.files` makes them land atomically,
+  and a full disk one clear error.
 - :mod:`.engines`: one inference engine per runtime (``ONNXEngine``, ``MNNEngine``,
   ``NCNNEngine``, ``OpenVINOEngine``; ``TRTEngine`` and ``RKNNEngine`` need their hardware).
 - :mod:`.parity`, :mod:`.latency`: how far an export is from eager PyTorch, and how fast it runs.

@@ -13,8 +13,10 @@ Each function writes its files at the paths given and checks that they are there
 stage them (:mod:`.files`). A converter that fails raises :class:`ExportError` with its output.
 """
 import logging
+import io
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -39,10 +41,20 @@ def _run(command: List[str], what: str, cwd: str) -> str:
     except subprocess.TimeoutExpired:
         raise ExportError(f"{what} did not finish within {TIMEOUT} s and was stopped") from None
     output = (done.stdout or "") + (done.stderr or "")
+    if done.returncode < 0:   # killed (SIGKILL: the OOM killer, a user) or aborted (SIGABRT)
+        raise ExportError(f"{what} was killed by {_signal_name(-done.returncode)} (exit code {done.returncode}): "
+                          f"{_tail(output) or 'no output'}")
     if done.returncode != 0:
         raise ExportError(f"{what} failed (exit code {done.returncode}): {_tail(output)}")
     logger.debug("%s: %s", what, _tail(output, 2000))
     return output
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _tail(text: str, limit: int = 1200) -> str:
@@ -77,32 +89,41 @@ def write_ncnn(source: Union[nn.Module, str], param_file: str, bin_file: str, in
                fp16: bool = False) -> List[str]:
     """Convert a PyTorch model (traced) or an ONNX file to NCNN's ``.param`` and ``.bin`` with pnnx.
 
-    ``input_shape`` is ``(N, C, H, W)``; NCNN runs one sample at a time, so the batch is 1.
+    ``input_shape`` is ``(N, C, H, W)``; NCNN runs one sample at a time, so the batch is 1. pnnx
+    works in a folder beside ``param_file``, removed when it succeeds; when it fails the folder
+    is left to the staging folder around it (:mod:`.files`), which judges the disk first.
     """
     binary = pnnx_binary()
     n, c, h, w = (int(v) for v in input_shape)
-    with tempfile.TemporaryDirectory(prefix="pnnx-", dir=os.path.dirname(os.path.abspath(param_file))) as work:
-        if isinstance(source, nn.Module):
-            model_file = os.path.join(work, "model.pt")
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")   # torch.jit.trace is deprecated; pnnx reads TorchScript
-                try:
-                    torch.jit.trace(source, torch.randn(1, c, h, w)).save(model_file)
-                except Exception as e:
-                    raise ExportError(f"tracing {type(source).__name__} for pnnx failed ({type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''}); try the ONNX route "
-                                      f"(basetrainer.utils.converter.onnx2ncnn)") from e
-        else:
-            if not os.path.isfile(source):
-                raise FileNotFoundError(f"ONNX file {source!r} does not exist; export the model to ONNX first")
-            model_file = os.path.join(work, "model.onnx")   # pnnx writes <name>.pnnxsim.onnx beside its input
-            shutil.copyfile(source, model_file)
-        side = {k: os.path.join(work, f"side.{k}") for k in ("pnnxparam", "pnnxbin", "pnnxpy", "pnnxonnx", "ncnnpy")}
-        command = [binary, model_file, f"inputshape=[1,{c},{h},{w}]f32", f"fp16={int(bool(fp16))}",
-                   f"ncnnparam={os.path.abspath(param_file)}", f"ncnnbin={os.path.abspath(bin_file)}"]
-        command += [f"{k}={v}" for k, v in side.items()]
-        output = _run(command, "pnnx", cwd=work)
+    work = tempfile.mkdtemp(prefix="pnnx-", dir=os.path.dirname(os.path.abspath(param_file)))
+    if isinstance(source, nn.Module):
+        model_file = os.path.join(work, "model.pt")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # torch.jit.trace is deprecated; pnnx reads TorchScript
+            try:
+                traced = torch.jit.trace(source, torch.randn(1, c, h, w))
+            except Exception as e:
+                raise ExportError(f"tracing {type(source).__name__} for pnnx failed ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); try the ONNX route "
+                                  f"(basetrainer.utils.converter.onnx2ncnn)") from e
+        # saved to memory, then written: torch's zip writer aborts the process (c10::Error thrown
+        # from its destructor) when the disk fills up under it; a plain write raises ENOSPC
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+        with open(model_file, "wb") as f:
+            f.write(buffer.getbuffer())
+    else:
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"ONNX file {source!r} does not exist; export the model to ONNX first")
+        model_file = os.path.join(work, "model.onnx")   # pnnx writes <name>.pnnxsim.onnx beside its input
+        shutil.copyfile(source, model_file)
+    side = {k: os.path.join(work, f"side.{k}") for k in ("pnnxparam", "pnnxbin", "pnnxpy", "pnnxonnx", "ncnnpy")}
+    command = [binary, model_file, f"inputshape=[1,{c},{h},{w}]f32", f"fp16={int(bool(fp16))}",
+               f"ncnnparam={os.path.abspath(param_file)}", f"ncnnbin={os.path.abspath(bin_file)}"]
+    command += [f"{k}={v}" for k, v in side.items()]
+    output = _run(command, "pnnx", cwd=work)
     _check_written([param_file, bin_file], "pnnx", output)
+    shutil.rmtree(work, ignore_errors=True)
     return [param_file, bin_file]
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from basetrainer.deploy import data as image_data
 from basetrainer.deploy import inputs
-from basetrainer.deploy.files import size_of, staging
+from basetrainer.deploy.files import Staging, size_of, staging
 from basetrainer.deploy.formats import HARDWARE, Job, check_installed, parse_formats
 from basetrainer.deploy.latency import interleaved
 from basetrainer.deploy.onnx_format import ExportError, pick_exporter
@@ -34,6 +34,7 @@ from basetrainer.deploy.parity import BOUNDS, ParityError, compare, failures
 from basetrainer.deploy.report import ExportReport, Row
 from basetrainer.deploy.runtimes import require
 from basetrainer.deploy.source import load_model
+from basetrainer.runtime import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,9 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         for fmt in chosen:
             row = Row(fmt.name, fmt.runtime, fmt.precision, BOUNDS[fmt.precision].describe())
             report.rows.append(row)
-            try:
-                engine = _export_one(fmt, job, row, images, reference, batch, threads, out_dir)
+            try:   # in a folder of its own: removed after, and a full disk is one DiskFullError
+                with stage.attempt(f"the {fmt.name} files", job.weight_bytes) as own:
+                    engine = _export_one(fmt, job, own, row, images, reference, batch, threads, out_dir)
             except Exception as e:   # one format's failure must not stop the others
                 logger.debug("%s failed", fmt.name, exc_info=True)
                 row.status, row.problems = "error", [f"{type(e).__name__}: {e}"]
@@ -133,17 +135,28 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         time_reports([report], batch, runs, warmup, threads)
     if src.input_size and list(src.input_size) != list(size):
         report.notes.append(f"exported at {size[0]}x{size[1]}; the run trained at {src.input_size[0]}x{src.input_size[1]}")
+    unwritten = None
     if report_files:
-        paths = report.write(os.path.join(out_dir, f"{stem}.export.json"), os.path.join(out_dir, f"{stem}.export.md"))
-        logger.info("export report: %s", ", ".join(paths))
+        try:
+            paths = report.write(os.path.join(out_dir, f"{stem}.export.json"),
+                                 os.path.join(out_dir, f"{stem}.export.md"))
+            logger.info("export report: %s", ", ".join(paths))
+        except atomic.DiskFullError as e:   # the table is still shown (and returned)
+            unwritten = f"the report files were not written: {e.strerror}"
+            report.notes.append(unwritten)
+            logger.error("%s", unwritten)
     if strict and not report.ok:
         _raise(report)
+    if strict and unwritten:
+        error = ExportFailed(f"export failed: {unwritten}")
+        error.report = report   # type: ignore[attr-defined]
+        raise error
     return report
 
 
-def _export_one(fmt: Any, job: Job, row: Row, images: Any, reference: List[np.ndarray], batch: int,
-                threads: int, out_dir: str) -> Any:
-    staged = fmt.write(job)
+def _export_one(fmt: Any, job: Job, stage: Staging, row: Row, images: Any, reference: List[np.ndarray],
+                batch: int, threads: int, out_dir: str) -> Any:
+    staged = fmt.write(job, stage)
     engine = fmt.load(staged, threads)
     parity = compare(reference, engine(images.inputs), images.labels)
     part = images.inputs[:batch]
@@ -156,10 +169,13 @@ def _export_one(fmt: Any, job: Job, row: Row, images: Any, reference: List[np.nd
     if parity.batch_max_abs > tolerance:
         row.problems.append(f"batch of {len(part)} differs from one sample at a time by {parity.batch_max_abs:.3g}")
     if row.problems:
+        full = stage.space_error()   # files that load but disagree: cut short by a full disk?
+        if full is not None:
+            raise full
         row.status = "FAIL"
         logger.error("%s is outside its bound (%s): %s; not written", fmt.name, row.bound, "; ".join(row.problems))
         return None
-    row.files = job.stage.publish([(s, os.path.join(out_dir, os.path.basename(s))) for s in staged])
+    row.files = stage.publish([(s, os.path.join(out_dir, os.path.basename(s))) for s in staged])
     row.files = row.files[::-1] if len(row.files) > 1 else row.files    # the file naming the others first
     row.size_bytes = size_of(row.files)
     logger.info("%s: %s (max |Δ| %.3g, top-1 agreement %.2f%%)", fmt.name, ", ".join(row.files),

@@ -28,7 +28,7 @@ from basetrainer.deploy.runtimes import MissingRuntimeError, missing, pip_comman
 
 class Job:
     """What the writers of one export run share: the model, its input, the staging folder, and
-    the fp32 ONNX file (written once, on first use)."""
+    the fp32 ONNX file (written once, on first use, into a folder of its own that stays)."""
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], stage: Staging, stem: str,
                  exporter: str = "auto", opset: Optional[int] = None, simplify: bool = True,
@@ -37,6 +37,7 @@ class Job:
         self.model, self.input_shape, self.stage, self.stem = model, tuple(input_shape), stage, stem
         self.exporter, self.opset, self.simplify, self.calibration = exporter, opset, simplify, calibration
         self.dynamic, self.names = dynamic, names
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         self._onnx: Optional[str] = None
         self._onnx_error: Optional[BaseException] = None
 
@@ -46,9 +47,10 @@ class Job:
             raise self._onnx_error
         if self._onnx is None:
             try:
-                self._onnx = onnx_format.write_onnx(
-                    self.model, self.stage.path(f"{self.stem}.onnx"), self.input_shape, self.names[0], self.names[1],
-                    dynamic=self.dynamic, opset=self.opset, exporter=self.exporter, simplify=self.simplify)
+                with self.stage.attempt("the ONNX file", self.weight_bytes, keep=True) as part:
+                    self._onnx = onnx_format.write_onnx(
+                        self.model, part.path(f"{self.stem}.onnx"), self.input_shape, self.names[0], self.names[1],
+                        dynamic=self.dynamic, opset=self.opset, exporter=self.exporter, simplify=self.simplify)
             except Exception as e:
                 self._onnx_error = e
                 raise
@@ -57,12 +59,13 @@ class Job:
 
 @dataclass(frozen=True)
 class Format:
-    """One format: ``write(job)`` returns its staged files (data files before the files naming
-    them, the order they are published in); ``load(files, threads)`` builds its engine."""
+    """One format: ``write(job, part)`` writes its files into ``part`` (its own folder inside the
+    staging folder) and returns them (data files before the files naming them, the order they
+    are published in); ``load(files, threads)`` builds its engine."""
     name: str
     precision: str                      # a key of basetrainer.deploy.parity.BOUNDS
     modules: Tuple[str, ...]            # the runtimes it needs (runtimes.PACKAGES keys)
-    write: Callable[[Job], List[str]]
+    write: Callable[[Job, Staging], List[str]]
     load: Callable[[List[str], Optional[int]], InferenceEngine]
     runtime: str
 
@@ -75,19 +78,19 @@ def _onnx_engine(quant: int) -> Callable[[List[str], Optional[int]], InferenceEn
     return load
 
 
-def _write_fp16(job: Job) -> List[str]:
-    return [onnx_format.write_fp16(job.onnx(), job.stage.path(f"{job.stem}_fp16.onnx"))]
+def _write_fp16(job: Job, part: Staging) -> List[str]:
+    return [onnx_format.write_fp16(job.onnx(), part.path(f"{job.stem}_fp16.onnx"))]
 
 
-def _write_int8(job: Job) -> List[str]:
+def _write_int8(job: Job, part: Staging) -> List[str]:
     if job.calibration is None:
         raise ValueError("onnx-int8 is calibrated on training images: pass calibration (--calibration "
                          "<train ImageFolder>)")
-    return [onnx_format.write_int8(job.onnx(), job.stage.path(f"{job.stem}_int8.onnx"), job.calibration)]
+    return [onnx_format.write_int8(job.onnx(), part.path(f"{job.stem}_int8.onnx"), job.calibration)]
 
 
-def _write_mnn(job: Job) -> List[str]:
-    return [converters.write_mnn(job.onnx(), job.stage.path(f"{job.stem}.mnn"))]
+def _write_mnn(job: Job, part: Staging) -> List[str]:
+    return [converters.write_mnn(job.onnx(), part.path(f"{job.stem}.mnn"))]
 
 
 def _load_mnn(files: List[str], threads: Optional[int]) -> InferenceEngine:
@@ -96,12 +99,13 @@ def _load_mnn(files: List[str], threads: Optional[int]) -> InferenceEngine:
     return MNNEngine(files[0], quant=0, num_thread=threads or 4)
 
 
-def _ncnn(fp16: bool) -> Tuple[Callable[[Job], List[str]], Callable[[List[str], Optional[int]], InferenceEngine]]:
+def _ncnn(fp16: bool) -> Tuple[Callable[[Job, Staging], List[str]],
+                              Callable[[List[str], Optional[int]], InferenceEngine]]:
     tag = "_fp16" if fp16 else ""
 
-    def write(job: Job) -> List[str]:
-        param = job.stage.path(f"{job.stem}{tag}.ncnn.param")
-        binary = job.stage.path(f"{job.stem}{tag}.ncnn.bin")
+    def write(job: Job, part: Staging) -> List[str]:
+        param = part.path(f"{job.stem}{tag}.ncnn.param")
+        binary = part.path(f"{job.stem}{tag}.ncnn.bin")
         converters.write_ncnn(job.model, param, binary, job.input_shape, fp16=fp16)
         return [binary, param]
 
@@ -112,8 +116,8 @@ def _ncnn(fp16: bool) -> Tuple[Callable[[Job], List[str]], Callable[[List[str], 
     return write, load
 
 
-def _write_openvino(job: Job) -> List[str]:
-    xml, binary = converters.write_openvino(job.onnx(), job.stage.path(f"{job.stem}.xml"))
+def _write_openvino(job: Job, part: Staging) -> List[str]:
+    xml, binary = converters.write_openvino(job.onnx(), part.path(f"{job.stem}.xml"))
     return [binary, xml]
 
 
@@ -135,7 +139,7 @@ def _hardware(which: str) -> Callable:
 
 _ONNX = ("onnx", "onnxruntime", "onnxslim")
 FORMATS: Dict[str, Format] = {
-    "onnx": Format("onnx", "fp32", _ONNX, lambda job: [job.onnx()], _onnx_engine(0), "ONNX Runtime"),
+    "onnx": Format("onnx", "fp32", _ONNX, lambda job, part: [job.onnx()], _onnx_engine(0), "ONNX Runtime"),
     "onnx-fp16": Format("onnx-fp16", "fp16", _ONNX, _write_fp16, _onnx_engine(1), "ONNX Runtime"),
     "onnx-int8": Format("onnx-int8", "int8", _ONNX, _write_int8, _onnx_engine(2), "ONNX Runtime"),
     "mnn": Format("mnn", "fp32", _ONNX + ("MNN",), _write_mnn, _load_mnn, "MNN"),

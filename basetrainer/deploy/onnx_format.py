@@ -9,10 +9,8 @@ quantization (QDQ, per channel) calibrated on real images.
 
 These functions write where they are told; :mod:`.files` makes the files land atomically.
 """
-import errno
 import logging
 import os
-import shutil
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -21,7 +19,6 @@ import torch
 from torch import nn
 
 from basetrainer.deploy.runtimes import require
-from basetrainer.runtime import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +76,11 @@ def write_onnx(model: nn.Module, path: str, input_shape: Sequence[int], input_na
             warnings.simplefilter("ignore", FutureWarning)
             torch.onnx.export(model, (example,), path, dynamo=kind == "dynamo", **kwargs)
     except Exception as e:   # the exporters raise many types; one message names the way out
-        folder = os.path.dirname(os.path.abspath(path))
-        if atomic.space_error(e) is not None or _short_write(e, folder):
-            shown = os.path.dirname(folder) if os.path.basename(folder).startswith(".export-tmp-") else folder
-            raise atomic.DiskFullError(errno.ENOSPC, f"no space left in {shown} for the ONNX file of "
-                                                     f"{type(model).__name__}; free space or pass another out_dir") from e
+        # (a full disk shows as an OSError behind it; the staging folder around us tells it apart)
         other = "torchscript" if kind == "dynamo" else "dynamo"
         raise ExportError(f"torch's {kind} ONNX exporter failed on {type(model).__name__}: "
                           f"{type(e).__name__}: {_first_line(e)}. Try exporter='{other}', or another opset") from e
-    proto = onnx.load(path)
+    proto = _load_inline(path)
     if simplify:
         proto = simplify_proto(proto)
     onnx.checker.check_model(proto)
@@ -180,15 +173,23 @@ def write_int8(src: str, dst: str, calibration: np.ndarray, batch: int = 16) -> 
     return dst
 
 
-def _short_write(e: BaseException, folder: str) -> bool:
-    """torch's file writer reports a full disk as "N requested and M written" (no errno)."""
-    text = f"{e} {e.__cause__ or ''} {e.__context__ or ''}"
-    if "requested and" not in text or "written" not in text:
-        return False
-    try:
-        return shutil.disk_usage(folder).free < 16 * 2**20
-    except OSError:
-        return True
+def _load_inline(path: str) -> Any:
+    """The ONNX file ``path`` with its weights inside: the dynamo exporter writes them to a data
+    file beside it, read here and removed (the file is saved again with the weights inside, and
+    the data file would take the weights' space a second time)."""
+    onnx = require("onnx")
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    proto = onnx.load(path, load_external_data=False)
+    folder = os.path.dirname(os.path.abspath(path))
+    data = {entry.value for tensor in proto.graph.initializer if uses_external_data(tensor)
+            for entry in tensor.external_data if entry.key == "location"}
+    load_external_data_for_model(proto, folder)
+    for name in data:
+        file = os.path.abspath(os.path.join(folder, name))
+        if os.path.dirname(file) == folder and os.path.isfile(file):
+            os.remove(file)
+    return proto
 
 
 def _first_line(e: BaseException) -> str:

@@ -135,7 +135,7 @@ def _on_small_disk(tmp_path, script, *args, size="4m", timeout=300):
                           timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and found, f"exit {proc.returncode}: {proc.stdout[-2000:]} {proc.stderr[-3000:]}"
-    return str(disk), json.loads(found[0][len("RESULT "):])
+    return str(disk), json.loads(found[0][len("RESULT "):]), proc
 
 
 # (formats, KB free on the 4 MB disk, the formats that fit): the model's weights take 1.0 MB; the
@@ -158,7 +158,7 @@ def test_a_disk_that_fills_up_is_one_disk_full_error_per_format(tmp_path, format
     SIGABRT of the process from NCNN, "Invalid model file" from MNN, "basic_ios::clear" from
     OpenVINO); those that fit are written, the formats after a failed one too (its files are
     removed at once); nothing else is left (no staging folder, no partial file)."""
-    disk, result = _on_small_disk(tmp_path, FULL_DISK.format(check=None), free_kb, formats)
+    disk, result, _ = _on_small_disk(tmp_path, FULL_DISK.format(check=None), free_kb, formats)
     out = os.path.join(disk, "out")
     for fmt, status, problems, files in result["rows"]:
         if status != "ok":
@@ -200,3 +200,36 @@ def test_a_converter_killed_by_sigkill_is_named_and_the_others_go_on(tmp_path, m
     assert rows["ncnn"][0] == "error" and rows["ncnn"][1][0].startswith(
         "ExportError: pnnx was killed by SIGKILL (exit code -9)")
     assert sorted(os.listdir(out)) == ["m.export.json", "m.export.md", "m.onnx"]
+
+
+CLI_ON_FULL_DISK = textwrap.dedent("""
+    import json, os, sys
+    from basetrainer.deploy.__main__ import main
+
+    disk, weights = sys.argv[1], sys.argv[2]
+    out = os.path.join(disk, "out")
+    code = main([weights, "--net-type", "resnet18", "--input-size", "16", "16", "--format", "onnx,mnn,ncnn",
+                 "--out-dir", out, "--runs", "0"])
+    print("RESULT " + json.dumps({"code": code, "left": sorted(os.listdir(out))}))
+""")
+
+
+@pytest.mark.distributed   # starts processes
+@pytest.mark.slow
+def test_command_line_on_a_disk_too_small_prints_the_table_and_exits_1(tmp_path):
+    """resnet18 (45 MB of weights) onto a 4 MB disk: every row a DiskFullError naming the folder,
+    the table printed, exit 1 (it was SIGABRT, exit 134, with ncnn)."""
+    import torch
+
+    from basetrainer.models.build_models import get_models
+
+    weights = tmp_path / "w.pth"
+    torch.save(get_models("resnet18", [16, 16], 4).state_dict(), str(weights))
+    disk, result, proc = _on_small_disk(tmp_path, CLI_ON_FULL_DISK, weights)
+    out = os.path.join(disk, "out")
+    assert result == {"code": 1, "left": ["w.export.json", "w.export.md"]}
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| onnx |") or line.startswith("| mnn |")
+            or line.startswith("| ncnn |")]
+    assert len(rows) == 3 and all(f"| **error**: DiskFullError: [Errno 28] no space left in {out}: writing the " in r
+                                  for r in rows), proc.stdout
+    assert "error: export failed for onnx: error: DiskFullError" in proc.stderr

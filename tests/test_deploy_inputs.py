@@ -54,6 +54,19 @@ class ConvInAList(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class RepeatsToRgb(nn.Module):
+    """A grayscale model on an RGB backbone: the image (1 channel) is repeated to 3 channels
+    before the first convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x.repeat(1, 3, 1, 1)).mean((2, 3)))
+
+
 class Flat(nn.Module):
     """No convolution: an MLP on the flattened 1x16x16 image."""
 
@@ -83,9 +96,22 @@ def test_channels_come_from_the_layer_the_image_reaches_first(tmp_path, make):
     assert report.rows[1].status == "ok" and report.rows[1].parity["max_abs"] <= 1e-4
 
 
+@pytest.mark.slow
+def test_channels_are_those_that_give_the_first_layer_what_it_takes(tmp_path):
+    """The first convolution takes 3 channels, made from a 1-channel image: the image has 1
+    (with 3 the convolution would get 9); given 1 it is taken, given 3 it is an error."""
+    assert _onnx(tmp_path, RepeatsToRgb()).input_shape == [1, 1, SIZE, SIZE]
+    assert _onnx(tmp_path, RepeatsToRgb(), channels=1).rows[1].status == "ok"
+    with pytest.raises(ValueError, match=r"channels=3, but the layer the image reaches first \(conv, Conv2d\) takes "
+                                         r"3 channel\(s\) and gets 9 from an image of 3; pass channels=1 "
+                                         r"\(--channels 1\)"):
+        _onnx(tmp_path, RepeatsToRgb(), channels=3)
+
+
 def test_given_channels_that_the_model_does_not_take_are_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"channels=3, but the layer the image reaches first \(conv, Conv2d\) takes "
-                                         r"1 channel\(s\); pass channels=1 \(--channels 1\)"):
+                                         r"1 channel\(s\) and gets 3 from an image of 3; pass channels=1 "
+                                         r"\(--channels 1\)"):
         _onnx(tmp_path, LinearFirst(), channels=3)
     with pytest.raises(ValueError, match=r"channels=0 must be a positive integer \(--channels 1 for grayscale"):
         _onnx(tmp_path, LinearFirst(), channels=0)
@@ -140,7 +166,7 @@ def test_numeric_options_out_of_range_are_refused_before_anything(tmp_path, key,
     (["--batch", "0"], "error: batch=0 must be a positive integer (--batch N, e.g. --batch 37)"),
     (["--batch", "-3"], "error: batch=-3 must be a positive integer (--batch N, e.g. --batch 37)"),
     (["--channels", "1"], "error: channels=1, but the layer the image reaches first (conv1, Conv2d) takes 3 "
-                          "channel(s); pass channels=3 (--channels 3)"),
+                          "channel(s) and gets 1 from an image of 1; pass channels=3 (--channels 3)"),
 ])
 def test_command_line_bad_numbers_exit_2(tmp_path, capsys, args, message):
     from basetrainer.models.build_models import get_models

@@ -1,11 +1,12 @@
 """What an export feeds the model: one image input ``(N, C, H, W)``, checked before any file is written.
 
 - One input: a ``forward`` that needs more than the image is refused (:func:`check_one_input`).
-- The channels ``C``: those of the layer the image reaches first in a forward pass (a probe that
-  stops there, :func:`first_layer`), not of the first convolution registered, which may sit
-  anywhere in the forward (a head registered first, a stem after its blocks). Given ones are
-  checked against that layer; with no convolution on the image's way, 3 is a guess, and a forward
-  pass that fails then names the option.
+- The channels ``C``: those with which the layer the image reaches first in a forward pass (a
+  probe that stops there, :func:`first_layer`) gets the channels it takes; not those of the first
+  convolution registered, which may sit anywhere in the forward (a head registered first, a stem
+  after its blocks), and not always that layer's own (a grayscale image repeated to RGB before
+  it). Given ones are checked the same way; with no convolution on the image's way, 3 is a
+  guess, and a forward pass that fails then names the option.
 - The size ``W x H``: the one given, else the one the run trained at.
 """
 import inspect
@@ -21,46 +22,56 @@ CHANNELS_GUESS = 3   # RGB: the channels assumed when no convolution takes the i
 class _Reached(Exception):
     """Raised by the probe's hook to stop the forward pass at the first layer it reaches."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, arriving: Optional[int]) -> None:
         super().__init__()
-        self.module = module
+        self.module, self.arriving = module, arriving
 
 
-def first_layer(model: nn.Module, size: Sequence[int]) -> Optional[Tuple[str, nn.Module]]:
-    """``(name, module)`` of the layer with ``in_channels`` (a convolution) that the image reaches
-    first in ``model``'s forward pass on ``size`` ``[W, H]``, or None when the forward pass reaches
-    none. The probe stops right before that layer runs, so it never fails on a wrong channel count
-    of the probe input (tried with 3 channels, then 1, for a forward that looks at the channels
-    before its first convolution)."""
+def _reach(model: nn.Module, channels: int, size: Sequence[int]) -> Optional[Tuple[str, nn.Module, Optional[int]]]:
+    """``(name, layer, channels it gets)`` for the first layer with ``in_channels`` (a
+    convolution) that an image of ``channels`` channels reaches in ``model``'s forward pass, or
+    None when it reaches none (or fails before). The probe stops right before that layer runs."""
     names = {m: n for n, m in model.named_modules()}
-    layers = [m for m in model.modules() if isinstance(getattr(m, "in_channels", None), int)]
 
     def stop(module: nn.Module, args: Any) -> None:
-        raise _Reached(module)
+        x = args[0] if args else None
+        raise _Reached(module, int(x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None)
 
-    handles = [m.register_forward_pre_hook(stop) for m in layers]
+    handles = [m.register_forward_pre_hook(stop) for m in model.modules()
+               if isinstance(getattr(m, "in_channels", None), int)]
     try:
-        for channels in (CHANNELS_GUESS, 1):
-            try:
-                with torch.inference_mode():
-                    model(torch.zeros(1, channels, int(size[1]), int(size[0])))
-            except _Reached as reached:
-                return names[reached.module], reached.module
-            except Exception:   # the probe input did not fit before any layer: try another
-                continue
+        with torch.inference_mode():
+            model(torch.zeros(1, channels, int(size[1]), int(size[0])))
+    except _Reached as reached:
+        return names[reached.module], reached.module, reached.arriving
+    except Exception:   # the probe input did not fit before any such layer
         return None
     finally:
         for handle in handles:
             handle.remove()
+    return None
+
+
+def first_layer(model: nn.Module, size: Sequence[int]) -> Optional[Tuple[str, nn.Module]]:
+    """``(name, module)`` of the layer with ``in_channels`` (a convolution) that the image reaches
+    first in ``model``'s forward pass on ``size`` ``[W, H]`` (probed with 3 channels, then 1, for
+    a forward that looks at the channels before it), or None when it reaches none."""
+    for channels in (CHANNELS_GUESS, 1):
+        found = _reach(model, channels, size)
+        if found is not None:
+            return found[0], found[1]
+    return None
 
 
 def channels_of(model: nn.Module, size: Sequence[int], given: Optional[int] = None) -> Tuple[int, bool]:
-    """``(channels, guessed)``: the channels the image has, from the layer it reaches first, or
-    ``given`` (checked against that layer); ``guessed`` when neither tells.
+    """``(channels, guessed)``: the channels the image has: those with which the layer it reaches
+    first gets the channels it takes (its own, unless the forward makes them from the image first,
+    e.g. a grayscale image repeated to RGB), or ``given`` (checked the same way); ``guessed`` when
+    nothing tells (no convolution on the image's way).
 
     Raises:
-        ValueError: ``given`` is not a positive integer, or not what that layer takes (the message
-            names both and the option).
+        ValueError: ``given`` is not a positive integer, or the first layer does not get what it
+            takes from an image of ``given`` channels (the message names both and the option).
     """
     if given is not None and (not isinstance(given, (int, np.integer)) or isinstance(given, bool) or given < 1):
         raise ValueError(f"channels={given!r} must be a positive integer (--channels 1 for grayscale, 3 for RGB)")
@@ -68,11 +79,22 @@ def channels_of(model: nn.Module, size: Sequence[int], given: Optional[int] = No
     if found is None:
         return (int(given), False) if given is not None else (CHANNELS_GUESS, True)
     name, layer = found
-    if given is not None and int(given) != layer.in_channels:
+    wanted = layer.in_channels
+
+    def fits(channels: int) -> bool:
+        reached = _reach(model, channels, size)
+        return reached is not None and reached[1] is layer and reached[2] == wanted
+
+    if given is not None:
+        if fits(int(given)):
+            return int(given), False
+        fitting = next((c for c in dict.fromkeys([wanted, 1, 3]) if fits(c)), wanted)
+        reached = _reach(model, int(given), size)
+        got = f" and gets {reached[2]} from an image of {given}" if reached and reached[2] is not None else ""
         raise ValueError(f"channels={given}, but the layer the image reaches first ({name}, {type(layer).__name__}) "
-                         f"takes {layer.in_channels} channel(s); pass channels={layer.in_channels} "
-                         f"(--channels {layer.in_channels})")
-    return layer.in_channels, False
+                         f"takes {wanted} channel(s){got}; pass channels={fitting} (--channels {fitting})")
+    fitting = next((c for c in dict.fromkeys([wanted, 1, 3]) if fits(c)), None)
+    return (fitting, False) if fitting is not None else (wanted, True)
 
 
 def check_one_input(model: nn.Module) -> None:

@@ -233,3 +233,29 @@ def test_command_line_on_a_disk_too_small_prints_the_table_and_exits_1(tmp_path)
     assert len(rows) == 3 and all(f"| **error**: DiskFullError: [Errno 28] no space left in {out}: writing the " in r
                                   for r in rows), proc.stdout
     assert "error: export failed for onnx: error: DiskFullError" in proc.stderr
+
+
+@pytest.mark.slow
+def test_report_files_that_do_not_fit_still_give_the_table(tmp_path, monkeypatch):
+    """The exports fit and the report after them does not: an ExportFailed holding the report
+    (the command line prints its table, exit 1), with a note; the checked files stay written."""
+    import errno
+
+    from basetrainer.deploy import report as report_module
+    from basetrainer.deploy.export import ExportFailed, export_model
+    from basetrainer.runtime.atomic import DiskFullError
+    from test_deploy_export import images, small_net
+
+    def full(self, *args, **kwargs):
+        raise DiskFullError(errno.ENOSPC, "no space left in out: writing m.export.json needs about 3 KB and 0 B is free")
+
+    monkeypatch.setattr(report_module.ExportReport, "write", full)
+    out = tmp_path / "out"
+    with pytest.raises(ExportFailed, match=r"^export failed: the report files were not written: no space left in "
+                                           r"out: writing m.export.json") as failed:
+        export_model(small_net(), "onnx", out_dir=str(out), input_size=[16, 16], check=images(8), runs=0, name="m")
+    report = failed.value.report
+    assert [(r.format, r.status) for r in report.rows] == [("pytorch", "ok"), ("onnx", "ok")]
+    assert report.notes == ["the report files were not written: no space left in out: writing m.export.json needs "
+                            "about 3 KB and 0 B is free"]
+    assert sorted(os.listdir(out)) == ["m.onnx"]

@@ -138,6 +138,13 @@ def test_a_model_with_two_inputs_is_refused_saying_export_takes_one(tmp_path):
     with pytest.raises(ValueError, match=r"export takes one image input, and Pair.forward\(x, y\) needs 2 \(x, y\): "
                                          r"wrap the model in a module whose forward\(x\) takes the image alone"):
         _onnx(tmp_path, Pair())
+
+    class Masked(Pair):
+        def forward(self, x, *, mask, **options):
+            return self.conv(x * mask).mean((2, 3))
+
+    with pytest.raises(ValueError, match=r"Masked.forward\(x, \*, mask, \*\*options\) needs 2 \(x, mask\)"):
+        _onnx(tmp_path, Masked())
     assert not (tmp_path / "out").exists()
 
 

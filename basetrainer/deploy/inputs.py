@@ -113,7 +113,13 @@ def check_one_input(model: nn.Module) -> None:
     needed = [p.name for p in params if p.default is p.empty
               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if len(needed) > 1:
-        shown = ", ".join(p.name for p in params)
+        names, star = [], False
+        for p in params:
+            if p.kind == p.KEYWORD_ONLY and not star:
+                names.append("*")
+                star = True
+            names.append("**" + p.name if p.kind == p.VAR_KEYWORD else p.name)
+        shown = ", ".join(names)
         raise ValueError(f"export takes one image input, and {type(model).__name__}.forward({shown}) needs "
                          f"{len(needed)} ({', '.join(needed)}): wrap the model in a module whose forward(x) takes "
                          f"the image alone and gives the other inputs their values")

@@ -175,6 +175,7 @@ def test_a_disk_that_fills_up_is_one_disk_full_error_per_format(tmp_path, format
 
 
 @pytest.mark.distributed   # starts processes
+@pytest.mark.slow
 def test_a_converter_killed_by_sigkill_is_named_and_the_others_go_on(tmp_path, monkeypatch):
     """pnnx and MNN's converter (child processes) die by SIGKILL (the OOM killer, a user), pnnx
     half-way through its .bin: each row says so, ONNX is written, nothing else is left."""

@@ -12,8 +12,8 @@
 Each function writes its files at the paths given and checks that they are there; callers
 stage them (:mod:`.files`). A converter that fails raises :class:`ExportError` with its output.
 """
-import logging
 import io
+import logging
 import os
 import shutil
 import signal

@@ -27,7 +27,7 @@ from torch import nn
 from basetrainer.deploy import data as image_data
 from basetrainer.deploy import inputs
 from basetrainer.deploy.files import Staging, size_of, staging
-from basetrainer.deploy.formats import HARDWARE, Job, check_installed, parse_formats
+from basetrainer.deploy.formats import HARDWARE, Job, check_installed, parse_formats, weight_bytes
 from basetrainer.deploy.latency import interleaved
 from basetrainer.deploy.onnx_format import ExportError, pick_exporter
 from basetrainer.deploy.parity import BOUNDS, ParityError, compare, failures
@@ -79,9 +79,9 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         dynamic: the exported batch axis is dynamic (``False``: a fixed batch of 1).
         input_names, output_names: the ONNX graph's names.
         report_files: write ``<name>.export.json`` and ``.md`` into ``out_dir``.
-        channels: the image's channels (default: those of the layer the image reaches first in
-            the model's forward pass; see :mod:`.inputs`). A value that layer does not take is
-            an error.
+        channels: the image's channels (default: found by probing the forward pass: those with
+            which the first layer the image reaches gets the channels it takes; see
+            :mod:`.inputs`). A value with which it does not is an error.
 
     Raises:
         ValueError, FileNotFoundError, MissingRuntimeError: bad input, before any file is written.
@@ -112,7 +112,7 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
     threads = threads or torch.get_num_threads()
     report = ExportReport(src.description, list(shape), f"{len(images.inputs)} {images.source}")
     eager = Row("pytorch", "PyTorch (eager)", "fp32", files=[os.fspath(source)] if isinstance(source, (str, os.PathLike))
-                else [], size_bytes=_param_bytes(src.model),
+                else [], size_bytes=weight_bytes(src.model),
                 parity=compare(reference, reference, images.labels).as_dict())
     report.rows.append(eager)
     report.inputs, report.runners = images.inputs, {"pytorch": _eager_runner(src.model)}
@@ -226,10 +226,6 @@ def _eager(model: nn.Module, x: np.ndarray, chunk: int = 64) -> List[np.ndarray]
                                  f"returns a tensor or a tuple of tensors")
             parts.append([o.float().numpy() for o in outs])
     return [np.concatenate([p[k] for p in parts], axis=0) for k in range(len(parts[0]))]
-
-
-def _param_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def _default_out_dir(source: Any) -> str:

@@ -26,6 +26,11 @@ from basetrainer.deploy.files import Staging
 from basetrainer.deploy.runtimes import MissingRuntimeError, missing, pip_command
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's state dict: what its files hold at least, in fp32."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 class Job:
     """What the writers of one export run share: the model, its input, the staging folder, and
     the fp32 ONNX file (written once, on first use, into a folder of its own that stays)."""
@@ -37,7 +42,7 @@ class Job:
         self.model, self.input_shape, self.stage, self.stem = model, tuple(input_shape), stage, stem
         self.exporter, self.opset, self.simplify, self.calibration = exporter, opset, simplify, calibration
         self.dynamic, self.names = dynamic, names
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        self.weight_bytes = weight_bytes(model)
         self._onnx: Optional[str] = None
         self._onnx_error: Optional[BaseException] = None
 

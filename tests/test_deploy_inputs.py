@@ -185,3 +185,13 @@ def test_command_line_bad_numbers_exit_2(tmp_path, capsys, args, message):
                 "--runs", "0"] + args)
     assert (code, capsys.readouterr().err.strip().splitlines()[-1]) == (2, message)
     assert not out.exists()
+
+
+def test_a_scripted_model_takes_the_channels_of_its_first_convolution():
+    """torch.jit.script modules take no hooks: the first convolution registered is the guess (as
+    before), and a given value is taken (the forward pass checks it)."""
+    from basetrainer.deploy.inputs import channels_of
+
+    scripted = torch.jit.script(StemAfterBlocks().eval())
+    assert channels_of(scripted, [SIZE, SIZE]) == (8, True)
+    assert channels_of(scripted, [SIZE, SIZE], 1) == (1, False)

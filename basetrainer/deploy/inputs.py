@@ -75,6 +75,9 @@ def channels_of(model: nn.Module, size: Sequence[int], given: Optional[int] = No
     """
     if given is not None and (not isinstance(given, (int, np.integer)) or isinstance(given, bool) or given < 1):
         raise ValueError(f"channels={given!r} must be a positive integer (--channels 1 for grayscale, 3 for RGB)")
+    if isinstance(model, torch.jit.ScriptModule):   # no hooks there: its first convolution registered
+        first = next((m for m in model.modules() if isinstance(getattr(m, "in_channels", None), int)), None)
+        return (int(given), False) if given is not None else (first.in_channels if first else CHANNELS_GUESS, True)
     found = first_layer(model, size)
     if found is None:
         return (int(given), False) if given is not None else (CHANNELS_GUESS, True)

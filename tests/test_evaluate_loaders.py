@@ -167,3 +167,13 @@ def test_one_process_refuses_a_sampler_sharded_for_other_processes():
     t.cfg.batch_size = None
     assert t.evaluate(blobs(41, 4, seed=5), batch_size=6)["test/Accuracy"] == \
         t.evaluate(DataLoader(blobs(41, 4, seed=5), batch_size=5))["test/Accuracy"]
+
+
+def test_one_process_evaluates_an_iterable_dataset_with_the_progress_bar_on():
+    """ProgressBar asked len() of the test loader, which an IterableDataset without __len__ lacks:
+    TypeError in ProgressBar.on_test_begin."""
+    t = ToyTrainer(toy_cfg(n_test=41, batch_size=6, progress=True), callbacks=[AccuracyRecorder(), LossesRecorder()])
+    data = blobs(41, 4, seed=5)
+    streamed = t.evaluate(DataLoader(Stream(data), batch_size=3))
+    assert streamed == pytest.approx(t.evaluate(DataLoader(data, batch_size=3)), rel=1e-12)
+    assert 0 < streamed["test/Accuracy"] < 1

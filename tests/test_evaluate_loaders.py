@@ -110,7 +110,8 @@ def _evaluate_loaders(rank, out_dir):
     run("data set", data)
     run("built", lambda t: t.build_dataloader(data, 6, 0, phase="test", shuffle=False))
     run("test loader")
-    run("distributed sampler", DataLoader(data42, batch_size=2, sampler=DistributedSampler(data42, world, rank, seed=3)))
+    run("distributed sampler",
+        DataLoader(data42, batch_size=2, sampler=DistributedSampler(data42, world, rank, seed=3)))
     run("two outputs", data, trainer_class=TwoOutputTrainer)
     run("2 samples", blobs(2, 4, seed=7), batch_size=3)   # 3 processes: one holds no sample
     if world > 1:   # training: EvalReport checks the test loader at on_train_begin, with the same rule
@@ -134,7 +135,8 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize("procs", [2, 3])
 def test_evaluate_counts_each_sample_once_or_refuses_the_loader_over_2_and_3_processes(tmp_path, procs, one_process):
     one = one_process
-    sizes = {"data set": 41, "built": 41, "test loader": 41, "distributed sampler": 42, "two outputs": 41, "2 samples": 2}
+    sizes = {"data set": 41, "built": 41, "test loader": 41, "distributed sampler": 42, "two outputs": 41,
+             "2 samples": 2}
     assert {case: one[case]["report"][0] for case in ACCEPTED} == sizes
     assert all(isinstance(one[case]["figures"]["test/Accuracy"], float) for case in REFUSED)
     ranks = run_distributed(_evaluate_loaders, procs, tmp_path, str(tmp_path / "many"), timeout=400)
@@ -162,7 +164,8 @@ def test_one_process_refuses_a_sampler_sharded_for_other_processes():
                                              rf"and this is process 0 of 1.*phase='test'"):
             t.evaluate(DataLoader(data, batch_size=3, sampler=sampler))
     with pytest.raises(ValueError, match=r"DistributedSampler cuts 42 samples to 40"):
-        t.evaluate(DataLoader(data, batch_size=3, sampler=DistributedSampler(data, num_replicas=4, rank=0, drop_last=True)))
+        t.evaluate(DataLoader(data, batch_size=3,
+                              sampler=DistributedSampler(data, num_replicas=4, rank=0, drop_last=True)))
     # a data set with no batch_size in the config: evaluate(batch_size=) builds its loader
     t.cfg.batch_size = None
     assert t.evaluate(blobs(41, 4, seed=5), batch_size=6)["test/Accuracy"] == \

@@ -122,11 +122,13 @@ def check_test_shards(loader: Any, what: str) -> None:
     sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
     fix = ("pass the data set itself (its test loader is built for you), or build the loader with "
            "build_dataloader(dataset, batch_size, phase='test')")
+    sharded = isinstance(sampler, (DistributedSampler, ShardSampler))
     if isinstance(sampler, DistributedSampler) and sampler.total_size != len(sampler.dataset):
-        raise ValueError(f"{what}: its DistributedSampler {'pads' if sampler.total_size > len(sampler.dataset) else 'cuts'} "
-                         f"{len(sampler.dataset)} samples to {sampler.total_size}, so the figures would count "
-                         f"samples twice or leave some out: {fix}")
-    if isinstance(sampler, (DistributedSampler, ShardSampler)) and (sampler.num_replicas, sampler.rank) != (world, rank):
+        size = len(sampler.dataset)
+        raise ValueError(f"{what}: its DistributedSampler {'pads' if sampler.total_size > size else 'cuts'} {size} "
+                         f"samples to {sampler.total_size}, so the figures would count samples twice or leave some "
+                         f"out: {fix}")
+    if sharded and (sampler.num_replicas, sampler.rank) != (world, rank):
         raise ValueError(f"{what}: its {type(sampler).__name__} is shard {sampler.rank} of {sampler.num_replicas}, and "
                          f"this is process {rank} of {world}, so samples would count twice or not at all: {fix}")
     if world == 1:
@@ -135,10 +137,11 @@ def check_test_shards(loader: Any, what: str) -> None:
     if isinstance(getattr(loader, "dataset", None), IterableDataset):
         why = "iterates an IterableDataset, whose streams in the processes may overlap"
     elif batches is not None and type(batches) is not BatchSampler:
-        why = f"batches samples with a {type(batches).__name__}, whose shares in the processes cannot be checked to be disjoint"
+        why = (f"batches samples with a {type(batches).__name__}, whose shares in the processes cannot be "
+               f"checked to be disjoint")
     elif batches is not None and batches.drop_last:
         why = "drops each process's last incomplete batch, so the samples left out differ from one process's"
-    elif not isinstance(sampler, (DistributedSampler, ShardSampler)):
+    elif not sharded:
         why = (f"draws samples with a {type(sampler).__name__}, which is not sharded over the processes: each "
                f"would evaluate the whole data set (or a share that may overlap the others'), counting samples "
                f"up to {world} times")

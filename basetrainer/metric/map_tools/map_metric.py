@@ -107,7 +107,7 @@ class MapMetric:
                         raise ValueError(f"image {key!r} is held by more than one rank: give each rank its own share")
                     records[key] = value
         # COCOeval keeps maxDets[-1] detections per image and class; torchmetrics wants three
-        # increasing limits (its [1, 10, N] with N <= 10 was no longer N last: nan)
+        # limits and sorts them ([1, 10, N] put 10 last for N < 10)
         limits = [1, min(10, self.max_detections), self.max_detections]
         metric = need.MeanAveragePrecision(box_format=self.box_format, iou_type="bbox", iou_thresholds=[self.min_iou],
                                            rec_thresholds=RECALL_POINTS, max_detection_thresholds=limits,

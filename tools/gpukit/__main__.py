@@ -39,7 +39,9 @@ def _supervise(names: List[str], timeouts: Dict[str, float], results_file: str, 
             break
         seen = _count(results_file)
         cmd = [sys.executable, "-m", "gpukit.child", results_file, tmp, device] + (["--dry"] if dry else []) + pending
-        child = subprocess.Popen(cmd, cwd=tmp, env=registry.child_env(), stdout=log, stderr=subprocess.STDOUT)
+        # deterministic cuBLAS (the DDP and resume checks) needs this before the process's first cuBLAS call
+        env = registry.child_env(CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+        child = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
         current, started = None, time.monotonic()
         while True:
             rc = child.poll()

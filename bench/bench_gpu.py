@@ -28,6 +28,7 @@ import argparse
 import copy
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -40,7 +41,7 @@ for path in (HERE, ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import gpu_contenders as gc  # noqa: E402
+import gpu_contenders as contenders_mod  # noqa: E402
 import loop_stats  # noqa: E402
 
 BUDGET = {"resnet50_bf16": 1.02, "small_resnet_b512": 1.05}
@@ -97,10 +98,10 @@ def interleave(contenders: Dict[str, Any], rounds: int) -> Dict[str, Any]:
 def model_case(case: str, device: torch.device, dry: bool, peers: bool = False) -> Dict[str, Any]:
     """basetrainer (or, with ``peers``, Lightning and Accelerate) against the hand loop on ``case``."""
     batch, size, classes, steps, rounds = SIZES[case][1 if dry else 0]
-    data = gc.loader(gc.DeviceBatches(steps, batch, size, classes, device))
+    data = contenders_mod.loader(contenders_mod.DeviceBatches(steps, batch, size, classes, device))
     base = _model(case, classes, dry)
-    kinds: List[Tuple[str, Callable]] = list(gc.PEERS) if peers else [("basetrainer", gc.Ours)]
-    contenders, missing = {"hand": gc.Hand(copy.deepcopy(base), data, device)}, {}
+    kinds: List[Tuple[str, Callable]] = list(contenders_mod.PEERS) if peers else [("basetrainer", contenders_mod.Ours)]
+    contenders, missing = {"hand": contenders_mod.Hand(copy.deepcopy(base), data, device)}, {}
     for name, kind in kinds:
         try:
             contenders[name] = kind(copy.deepcopy(base), data, device)
@@ -126,6 +127,26 @@ def model_case(case: str, device: torch.device, dry: bool, peers: bool = False) 
     return figure
 
 
+class _Pass:
+    """One epoch through a loader (its sampler told the epoch), each batch copied to the device;
+    ``epoch()`` returns the seconds and the number of images."""
+
+    def __init__(self, data: Any, device: torch.device) -> None:
+        self.data, self.device, self.epoch_no = data, device, 0
+
+    def epoch(self) -> Tuple[float, float]:
+        from basetrainer.dataloader import loader as loaders_mod
+
+        loaders_mod.set_epoch(self.data, self.epoch_no, 0, 0)
+        self.epoch_no += 1
+        pin = self.device.type == "cuda"
+        n, t0 = 0, contenders_mod.sync(self.device)
+        for x, y in self.data:
+            x, y = x.to(self.device, non_blocking=pin), y.to(self.device, non_blocking=pin)
+            n += len(y)
+        return contenders_mod.sync(self.device) - t0, float(n)
+
+
 def loader_case(root: str, device: torch.device, dry: bool) -> Dict[str, Any]:
     """Images/s of the default loader and of a plain DataLoader on the digits, 0 and 4 workers."""
     from torch.utils.data import DataLoader
@@ -149,22 +170,7 @@ def loader_case(root: str, device: torch.device, dry: bool) -> Dict[str, Any]:
                                       persistent_workers=workers > 0)}
         assert trainer.build_dataloader(dataset, 32, workers, phase="train").pin_memory == pin, "pin_memory default"
 
-        class Pass:   # one epoch through a loader, each batch to the device
-            def __init__(self, data: Any) -> None:
-                self.data, self.epoch_no = data, 0
-
-            def epoch(self) -> Tuple[float, float]:
-                from basetrainer.dataloader import loader as loaders_mod
-
-                loaders_mod.set_epoch(self.data, self.epoch_no, 0, 0)
-                self.epoch_no += 1
-                n, t0 = 0, gc._sync(device)
-                for x, y in self.data:
-                    x, y = x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
-                    n += len(y)
-                return gc._sync(device) - t0, float(n)
-
-        runs = interleave({k: Pass(v) for k, v in loaders.items()}, 1 if dry else 4)
+        runs = interleave({k: _Pass(v, device) for k, v in loaders.items()}, 1 if dry else 4)
         steps = len(loaders["hand"])
         stats = loop_stats.paired(runs["seconds"]["basetrainer"], runs["seconds"]["hand"], steps)
         images = runs["warm_loss"]   # the warm-up pass returns the images it saw
@@ -178,12 +184,19 @@ def loader_case(root: str, device: torch.device, dry: bool) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU (the code paths only)")
-    parser.add_argument("--cases", nargs="+", default=["resnet50_bf16", "small_resnet_b512", "peers"])
+    parser.add_argument("--cases", nargs="+", default=["resnet50_bf16", "small_resnet_b512", "peers", "loader_digits"])
+    parser.add_argument("--digits", default=None, help="the digits ImageFolder (default: made in a temporary folder)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.cpu else "cuda")
     for case in args.cases:
         start = time.perf_counter()
-        if case == "peers":
+        if case == "loader_digits":
+            sys.path.insert(0, os.path.join(ROOT, "examples"))
+            from prepare_data import prepare_digits
+
+            root = args.digits or prepare_digits(os.path.join(tempfile.mkdtemp(prefix="digits-"), "digits"))
+            figure = loader_case(os.path.join(root, "train"), device, args.cpu)
+        elif case == "peers":
             figure = {m: model_case(m, device, args.cpu, peers=True) for m in SIZES}
         else:
             figure = model_case(case, device, args.cpu)

@@ -5,7 +5,8 @@ and returns its seconds (the device synchronised at both ends) and the mean of i
 
 Settings: SGD (lr 0.01, momentum 0.9), cross-entropy, AMP bf16, channels_last, cudnn.benchmark
 (set once for all). basetrainer: an ``EngineTrainer`` with no callbacks but the clock (progress
-off); Lightning: ``L.Trainer`` with the progress bar, logger, checkpointing and model summary
+off), one more epoch per ``run()`` call, timed from ``on_epoch_begin`` to the end of its train
+phase (a run's own start and end, paid once per run, are left out); Lightning: ``L.Trainer`` with the progress bar, logger, checkpointing and model summary
 off (a new Trainer per epoch, untimed setup); Accelerate: ``Accelerator(mixed_precision="bf16")``,
 ``prepare`` on model and optimizer, ``accelerator.backward``.
 """
@@ -43,7 +44,8 @@ def loader(batches: DeviceBatches) -> DataLoader:
     return DataLoader(batches, batch_size=None, shuffle=False)   # yields the batches as they are
 
 
-def _sync(device: torch.device) -> float:
+def sync(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device has finished its queued work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -66,7 +68,7 @@ class Hand:
 
     def epoch(self) -> Tuple[float, float]:
         losses = []
-        t0 = _sync(self.device)
+        t0 = sync(self.device)
         for x, y in self.data:
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 loss = nn.functional.cross_entropy(self.model(x), y)
@@ -74,7 +76,7 @@ class Hand:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return _sync(self.device) - t0, _mean(losses)
+        return sync(self.device) - t0, _mean(losses)
 
 
 class _Clock(Callback):
@@ -82,13 +84,13 @@ class _Clock(Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.losses: List[torch.Tensor] = []
-        self.t0 = _sync(self.trainer.device)
+        self.t0 = sync(self.trainer.device)
 
     def on_train_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int, logs: Any = None) -> None:
         self.losses.append(losses.detach())
 
     def on_test_begin(self, logs: Any = None) -> None:
-        self.seconds = _sync(self.trainer.device) - self.t0
+        self.seconds = sync(self.trainer.device) - self.t0
 
 
 class _OursTrainer(EngineTrainer):
@@ -112,12 +114,15 @@ class Ours:
         cfg = setup_config.Config(gpu_id=[device.index or 0] if device.type == "cuda" else [], amp="bf16",
                                   channels_last=True, progress=False, num_epochs=1, batch_size=1, seed=0,
                                   work_dir="", log_freq=50)
-        self.trainer = _OursTrainer(cfg, model, data)
+        self.trainer, self.done = _OursTrainer(cfg, model, data), 0
 
     def epoch(self) -> Tuple[float, float]:
+        """One more epoch: ``run()`` goes on from the epochs the earlier calls trained."""
         t = self.trainer
-        t.num_epochs = t.start_epoch + 1
+        t.num_epochs, t.clock.seconds = self.done + 1, None
         t.run()
+        self.done += 1
+        assert t.clock.seconds is not None, f"run() trained no epoch (start {t.start_epoch}, num_epochs {t.num_epochs})"
         return t.clock.seconds, _mean(t.clock.losses)
 
 
@@ -142,10 +147,10 @@ class LightningLoop:
 
         class Clock(L.Callback):
             def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-                module.losses, self.t0 = [], _sync(device)
+                module.losses, self.t0 = [], sync(device)
 
             def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-                self.seconds = _sync(device) - self.t0
+                self.seconds = sync(device) - self.t0
 
         self.L, self.module, self.clock, self.data, self.device = L, Module(), Clock(), data, device
 
@@ -176,14 +181,14 @@ class AccelerateLoop:
 
     def epoch(self) -> Tuple[float, float]:
         losses = []
-        t0 = _sync(self.device)
+        t0 = sync(self.device)
         for x, y in self.data:
             loss = nn.functional.cross_entropy(self.model(x), y)
             self.acc.backward(loss)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return _sync(self.device) - t0, _mean(losses)
+        return sync(self.device) - t0, _mean(losses)
 
 
 PEERS: List[Tuple[str, Callable]] = [("lightning", LightningLoop), ("accelerate", AccelerateLoop)]

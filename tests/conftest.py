@@ -1,8 +1,8 @@
-"""Toys shared by the tests: tiny models, in-memory data, a recording callback, a toy trainer,
-image folders on disk, the one weight comparison (:func:`weight_diff`) (all from ``toys.py``,
-re-exported here), the one way to train a
-script in a subprocess (:func:`script_fixture`, :func:`run_script`, :func:`start_script`), and a
-helper that runs a function in N gloo processes on 127.0.0.1.
+"""Toys shared by the tests (tiny models, in-memory data, a recording callback, a toy trainer,
+image folders on disk, the one weight comparison :func:`weight_diff`: defined in ``toys.py``,
+which needs no pytest, and re-exported here), the one way to train a script in a subprocess
+(:func:`script_fixture`, :func:`run_script`, :func:`start_script`), and a helper that runs a
+function in N gloo processes on 127.0.0.1.
 
 Markers: a test that starts processes (gloo ranks, launchers, scripts in subprocesses) is marked
 ``distributed``; one that trains for more than a few seconds ``slow``. ``pytest -m "not slow and

@@ -9,7 +9,7 @@ Evaluation shards the data without padding or duplicates (:class:`ShardSampler`)
 """
 import logging
 import random
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
@@ -160,6 +160,13 @@ def check_equal_lengths(loader: Any) -> None:
         raise RuntimeError(f"ranks have different numbers of train batches {lengths}: DDP would hang. "
                            f"Use build_dataloader (every rank takes a share of every global batch) "
                            f"or give every rank the same number of batches")
+
+
+def epoch_plan(loader: Any, epoch: int) -> Dict[str, Any]:
+    """What lays out epoch ``epoch`` of a train loader made by :func:`build_dataloader`
+    (:meth:`GlobalBatchSampler.plan`); ``{}`` for a loader of another kind (nothing known)."""
+    batches = getattr(loader, "batch_sampler", None)
+    return batches.plan(epoch) if isinstance(batches, GlobalBatchSampler) else {}
 
 
 def set_epoch(loader: Any, epoch: int, seed: int, rank: int) -> None:

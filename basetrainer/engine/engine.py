@@ -91,6 +91,14 @@ class Engine:
         """A resumable checkpoint of this point (``Checkpointer.save``); inside an accumulation window, at its end."""
         return self.checkpointer.save(path, background, in_window=not self._updated)
 
+    def epoch_plan(self) -> Dict[str, Any]:
+        """What lays out the batches of the epoch in progress (``loader.epoch_plan``), for a
+        checkpoint taken inside its train phase: a resume there must find the same. ``{}``
+        elsewhere, or for a train loader not made by ``build_dataloader``."""
+        if self.phase != "train" or not self.batch_in_epoch:
+            return {}
+        return loaders.epoch_plan(self.train_loader, self.epoch)
+
     def preempt(self, where: str) -> None:
         """Save a resumable checkpoint of this point and exit with status 128 + signal number."""
         self._preemption.exit(where, self.save_checkpoint(), comm.is_main_process())

@@ -73,7 +73,7 @@ class EngineTrainer(Engine):
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.channels_last = bool(cfg.channels_last)
         self._compile_checked = not cfg.compile
-        self.num_steps = 0      # train steps per epoch (len(train_loader))
+        self.num_steps = 0      # train batches per epoch (len(train_loader)), not optimizer steps
         self.num_samples = 0    # training samples (the whole data set, all processes)
         self.is_main_process = comm.is_main_process()
         self.world_size = comm.get_world_size()

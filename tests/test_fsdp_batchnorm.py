@@ -153,6 +153,27 @@ def test_three_processes_with_accumulation_and_an_uneven_last_batch(tmp_path):
     evaluate_files(str(tmp_path / "fsdp"), "convbn", 10, 16, fsdp["history"])
 
 
+def _odd_buffers(rank):
+    """A DDP model whose buffers differ per rank: bool, float16, a transposed view, an int scalar."""
+    net = nn.Linear(2, 2)
+    net.register_buffer("flag", torch.tensor([True, False, True]) if rank == 0 else torch.zeros(3, dtype=torch.bool))
+    net.register_buffer("halves", torch.full((3,), 1.5 + rank, dtype=torch.float16))
+    net.register_buffer("table", torch.arange(5.0).reshape(5, 1).t() * (rank + 1))
+    net.register_buffer("count", torch.tensor(7 + rank))
+    sharding.buffer_sync(nn.parallel.DistributedDataParallel(net))()
+    return {k: v.clone() for k, v in net.named_buffers()}
+
+
+@pytest.mark.distributed
+def test_buffers_of_any_dtype_and_layout_become_rank_0_s(tmp_path):
+    # one broadcast of every buffer's bytes: a 3-byte bool buffer before a float16 one once left the
+    # latter at an odd offset, which cannot be viewed as float16
+    ranks = run_distributed(_odd_buffers, 2, tmp_path, timeout=120)
+    assert ranks[1]["flag"].tolist() == [True, False, True] and ranks[1]["count"].item() == 7
+    assert ranks[1]["halves"].tolist() == [1.5] * 3 and ranks[1]["table"].tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+
+
 # ----------------------------------------------------------------------------- SIGKILL and resume
 SCRIPT = textwrap.dedent('''
     import os, signal, sys

@@ -459,16 +459,15 @@ def buffer_sync(model: nn.Module) -> Optional[Callable[[], None]]:
     import torch.distributed as dist
 
     @torch.no_grad()
-    def sync() -> None:
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for buf in model.buffers():   # each time: a module may replace a buffer
-            by_dtype.setdefault(buf.dtype, []).append(buf)
-        for buffers in by_dtype.values():   # one broadcast per dtype
-            flat = torch.cat([b.reshape(-1) for b in buffers])
-            dist.broadcast(flat, src=0)
-            if comm.get_rank() != 0:
-                parts = flat.split([b.numel() for b in buffers])
-                torch._foreach_copy_(buffers, [p.view_as(b) for p, b in zip(parts, buffers)])
+    def sync() -> None:   # one broadcast: every buffer's bytes (a collective's latency dominates)
+        # each time (a module may replace a buffer); wider elements first, so that every part
+        # of the bytes starts at a multiple of its element's size (viewable as its dtype)
+        buffers = sorted(model.buffers(), key=lambda b: -b.element_size())
+        flat = torch.cat([b.reshape(-1).view(torch.uint8) for b in buffers])
+        dist.broadcast(flat, src=0)
+        if comm.get_rank() != 0:
+            parts = flat.split([b.numel() * b.element_size() for b in buffers])
+            torch._foreach_copy_(buffers, [p.view(b.dtype).view(b.shape) for p, b in zip(parts, buffers)])
 
     return sync
 

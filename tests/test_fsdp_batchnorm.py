@@ -1,6 +1,6 @@
 """BatchNorm under ``strategy: fsdp`` (issue 31.10): FSDP2 shards the parameters and leaves the
 buffers (BatchNorm statistics) plain tensors on every rank. ModelEMA averages both kinds; every
-rank takes rank 0's buffers after each optimizer step, as DDP does before its forwards. So fsdp +
+rank takes rank 0's buffers after each optimizer step (under ddp and fsdp). So fsdp +
 ModelEMA on resnet18 equals ddp + ModelEMA, every rank holds the same average, a best file
 reproduces the figure in its name, and a run killed by SIGKILL resumes exactly (on 2 processes,
 and on 1).
@@ -10,7 +10,6 @@ fsdp; without it each rank normalises its own share of the batch under both stra
 statistics kept are rank 0's under both."""
 import os
 import shutil
-import signal
 import textwrap
 
 import pytest

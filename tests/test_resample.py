@@ -260,8 +260,9 @@ def _balanced_run(work, callbacks=(), **over):
 
     counts = ClassCounts()
     cfg = toy_cfg(**{"num_epochs": 2, "batch_size": 16, "lr": 0.2, "momentum": 0.9, "work_dir": str(work), **over})
-    cbs = [counts, LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(str(work), "model"), indicator="loss", save_freq_steps=1,
-                                   async_save=False), *callbacks]
+    saves = ModelCheckpoint(model_dir=os.path.join(str(work), "model"), indicator="loss", save_freq_steps=1,
+                            async_save=False)
+    cbs = [counts, LossesRecorder(), saves, *callbacks]
     ImbalancedTrainer(cfg, callbacks=cbs).run()
     return counts.labels
 

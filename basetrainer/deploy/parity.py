@@ -74,7 +74,7 @@ class Bound:
     min_agreement: Optional[float] = None          # class scores: share of samples with the same top-1
     max_accuracy_drop: Optional[float] = None      # class scores, labelled: accuracy(eager) - accuracy(export)
     unlabelled_agreement: Optional[float] = None   # class scores, no labels: instead of max_accuracy_drop
-    rel_on_scores: bool = True                     # False: class scores are judged by their top-1 only
+    rel_on_scores: bool = True                     # False: class scores are judged by top-1 / accuracy only
 
     def describe(self, classes: bool = True) -> str:
         """The bound in words; ``classes``: the model has class-score outputs (else the top-1 and

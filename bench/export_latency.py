@@ -46,7 +46,8 @@ def table(report, batch: int) -> str:
                 cells.append(f"{lat['median_ms'] / lat['batch']:.3f}")
             cells.append(f"{ref['median_ms'] / lat['median_ms']:.2f}x")
         p = row.parity or {}
-        cells += [f"{p.get('max_abs', 0):.2g}", f"{p.get('agreement', 0):.2%}"]
+        agreement = p.get("agreement")   # None: the model has no class-score output
+        cells += [f"{p.get('max_abs', 0):.2g}", "-" if agreement is None else f"{agreement:.2%}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from basetrainer.runtime import comm, sharding
 
-from conftest import ToyTrainer, toy_cfg
+from toys import ToyTrainer, toy_cfg
 
 
 class Block(nn.Module):

@@ -131,20 +131,22 @@ def test_latency_median_and_spread():
 def test_parity_figures_and_bounds():
     from basetrainer.deploy.parity import BOUNDS, compare, failures
 
-    ref = np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0], [0.0, 0.5, 0.4], [2.0, 2.5, 0.0]])
+    ref = np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0], [0.0, 0.5, 0.4], [2.0, 2.5, 0.0]])   # scale: std 1.03
     out = ref.copy()
     out[2] = [0.0, 0.44, 0.45]                                # flips sample 2's top-1, moves it by 0.06
-    p = compare([ref], [out], labels=np.array([1, 0, 1, 1]))
+    p = compare([ref], [out], labels=np.array([1, 0, 1, 1]), classes=[0])
     assert (p.samples, p.agreement, p.accuracy_reference, p.accuracy) == (4, 0.75, 1.0, 0.75)
-    assert p.max_abs == pytest.approx(0.06) and p.max_reference == 3.0
-    assert failures(p, BOUNDS["fp32"]) == ["max |Δ output| 0.06 > 0.0001", "top-1 agreement 75.00% < 100.0%"]
+    assert p.max_abs == pytest.approx(0.06) and p.outputs[0].scale == pytest.approx(ref.std())
+    assert failures(p, BOUNDS["fp32"]) == ["max |Δ| 0.06 > 0.0001 x scale 1.03 (relative 0.058)",
+                                           "top-1 agreement 75.00% < 100.0%"]
     assert failures(p, BOUNDS["int8"]) == ["accuracy 75.00% is 25.00 points below eager 100.00% (bound 1)"]
-    assert failures(compare([ref], [ref + 1e-5]), BOUNDS["fp32"]) == []
-    assert failures(compare([ref], [ref + 0.02]), BOUNDS["fp16"]) == []          # 0.02 <= 1e-2 x 3.0
-    assert failures(compare([ref], [ref + 0.04]), BOUNDS["fp16"])[0].startswith("max |Δ output| 0.04 > 0.01 x")
+    assert failures(compare([ref], [ref + 1e-5], classes=[0]), BOUNDS["fp32"]) == []          # 1e-5 <= 1e-4 x 1.03
+    assert failures(compare([ref], [ref + 0.05], classes=[0]), BOUNDS["fp16"]) == []          # 0.05 <= 5e-2 x 1.03
+    assert failures(compare([ref], [ref + 0.06]), BOUNDS["fp16"])[0].startswith("max |Δ| 0.06 > 0.05 x scale")
     nan = ref.copy()
     nan[0, 0] = np.nan
-    assert failures(compare([ref], [nan]), BOUNDS["fp32"])[0] == "max |Δ output| inf > 0.0001"
+    assert failures(compare([ref], [nan]), BOUNDS["fp32"]) == [
+        "NaN or infinity in the export where the model's value is another"]
 
 
 def test_engine_inputs_are_checked_and_nothing_is_printed(tmp_path, capfd, caplog):

@@ -1,5 +1,7 @@
 """Detection mAP (the original's MapMetric) on torchmetrics' MeanAveragePrecision: a hand-counted
-AP, names and indices, exact over 2 ranks holding uneven shares, bad input."""
+AP, names and indices, equal to pycocotools' COCOeval (a hand-counted case and random ones,
+max_detections), exact over 2 ranks holding uneven shares, bad input."""
+import numpy as np
 import pytest
 
 from basetrainer.runtime import comm
@@ -88,3 +90,146 @@ def test_bad_input_is_a_clear_error():
         MapMetric(min_iou=1.5)
     with pytest.raises(ValueError, match="backend"):
         MapMetric(backend="yolo")
+
+
+# ----------------------------------------------------------------------------- COCOeval itself
+def _cocoeval(gt, dt, classes, min_iou, max_dets=100):
+    """pycocotools' COCOeval on the same boxes (images numbered by sorted name, as MapMetric
+    orders them; boxes as given, in float64): ``aps, map`` (AP per class index, None without
+    ground truth; the mean of COCO's precision table at IoU ``min_iou``, all areas, ``max_dets``)."""
+    import contextlib
+    import io
+
+    import numpy as np
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    keys = sorted(set(gt) | set(dt))
+
+    def dataset(info, scored):
+        anns = []
+        for image, key in enumerate(keys):
+            entry = info.get(key, {})
+            for j, ((x1, y1, x2, y2), label) in enumerate(zip(entry.get("boxes", []), entry.get("labels", []))):
+                anns.append({"id": len(anns) + 1, "image_id": image, "category_id": int(label), "iscrowd": 0,
+                             "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1)})
+                if scored:
+                    anns[-1]["score"] = entry["scores"][j]
+        return {"images": [{"id": i} for i in range(len(keys))], "annotations": anns,
+                "categories": [{"id": c} for c in range(classes)]}
+
+    coco_gt, coco_dt = COCO(), COCO()
+    coco_gt.dataset, coco_dt.dataset = dataset(gt, False), dataset(dt, True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt.createIndex()
+        coco_dt.createIndex()
+        e = COCOeval(coco_gt, coco_dt, "bbox")
+        e.params.iouThrs = np.array([min_iou])
+        e.params.maxDets = [1, 10, max_dets] if max_dets >= 10 else [max_dets]
+        e.evaluate()
+        e.accumulate()
+        if max_dets == 100:
+            e.summarize()
+    table = e.eval["precision"][0, :, :, 0, -1]        # [recall points, classes]: area all, max_dets
+    aps = [float(table[:, k].mean()) if (table[:, k] > -1).all() else None for k in range(classes)]
+    value = float(table[table > -1].mean()) if (table > -1).any() else float("nan")
+    if max_dets == 100:   # the table read as COCO's own summary reads it
+        assert value == e.stats[0] or (np.isnan(value) and e.stats[0] == -1)
+    return aps, value
+
+
+def _ranked(kinds, missed=0):
+    """One image, one class: detections by falling score, each on a ground-truth box of its own
+    ('T') or on nothing ('F'), and ``missed`` ground-truth boxes no detection finds."""
+    boxes = [[20 * i, 0, 20 * i + 10, 10] for i in range(kinds.count("T") + missed)]
+    hits = iter(boxes)
+    dets = [next(hits) if k == "T" else [500, 500, 510, 510] for k in kinds]
+    return ({"img": {"boxes": boxes, "labels": [0] * len(boxes)}},
+            {"img": {"boxes": dets, "labels": [0] * len(dets), "scores": [0.9 - 0.1 * i for i in range(len(dets))]}})
+
+
+def test_the_ap_is_cocoevals_on_a_case_where_a_float32_recall_point_is_lost():
+    pytest.importorskip("pycocotools")
+    # 5 ground-truth boxes, detections TP FP FP FP TP TP TP: interpolated precision 1 up to recall
+    # 0.2, 4/7 up to recall 0.8, then 0; COCO's 101 points: (21 * 1 + 60 * 4/7) / 101 = 0.5474.
+    # torchmetrics' default recall points are a float32 linspace, where 0.8 is 0.8000000119: the
+    # point at 0.8 was lost (0.5417)
+    gt, dt = _ranked("TFFFTTT", missed=1)
+    aps, value = MapMetric(min_iou=0.5).evaluate(gt, dt, ["a"])
+    assert value == pytest.approx((21 + 60 * 4 / 7) / 101, abs=1e-7)
+    want_aps, want = _cocoeval(gt, dt, 1, 0.5)
+    assert aps["a"] == pytest.approx(want_aps[0], abs=1e-9) and value == pytest.approx(want, abs=1e-9)
+
+
+def _random_case(rng, classes):
+    """Images with 0-5 ground-truth boxes and 0-8 detections each (some near a ground truth,
+    some anywhere, some with the wrong class); scores of 2 decimals, so some are equal."""
+    gt, dt = {}, {}
+    for i in range(int(rng.integers(1, 9))):
+        name = f"im{int(rng.integers(0, 10 ** 6)):06d}_{i}.jpg"
+        truth = []
+        for _ in range(int(rng.integers(0, 6))):
+            x, y = rng.uniform(0, 80, 2)
+            w, h = rng.uniform(4, 30, 2)
+            truth.append(([float(x), float(y), float(x + w), float(y + h)], int(rng.integers(0, classes))))
+        dets = []
+        for _ in range(int(rng.integers(0, 9))):
+            if truth and rng.random() < 0.6:
+                (x1, y1, x2, y2), label = truth[int(rng.integers(0, len(truth)))]
+                jitter = rng.normal(0, 0.15 * (x2 - x1), 4)
+                box = [float(x1 + jitter[0]), float(y1 + jitter[1]), float(x2 + jitter[2]), float(y2 + jitter[3])]
+                box[2], box[3] = max(box[2], box[0] + 1), max(box[3], box[1] + 1)
+                if rng.random() < 0.2:
+                    label = int(rng.integers(0, classes))
+            else:
+                x, y = rng.uniform(0, 80, 2)
+                box, label = [float(x), float(y), float(x + 10), float(y + 12)], int(rng.integers(0, classes))
+            dets.append((box, label, float(np.round(rng.uniform(0.05, 1.0), 2))))
+        if truth or rng.random() < 0.5:
+            gt[name] = {"boxes": [b for b, _ in truth], "labels": [c for _, c in truth]}
+        if dets or rng.random() < 0.5:
+            dt[name] = {"boxes": [b for b, _, _ in dets], "labels": [c for _, c, _ in dets],
+                        "scores": [s for _, _, s in dets]}
+    return gt, dt
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_aps_equal_cocoevals_on_random_cases(seed):
+    pytest.importorskip("pycocotools")
+    rng = np.random.default_rng(seed)
+    classes = int(rng.integers(1, 5))
+    names = [f"c{c}" for c in range(classes)]
+    gt, dt = _random_case(rng, classes)
+    min_iou = float(rng.choice([0.5, 0.75, 0.3]))
+    want_aps, want = _cocoeval(gt, dt, classes, min_iou)
+    aps, value = MapMetric(min_iou=min_iou).evaluate(gt, dt, names)
+    for c, name in enumerate(names):
+        assert (aps[name] is None) == (want_aps[c] is None), (seed, name)
+        assert aps[name] == pytest.approx(want_aps[c], abs=1e-6), (seed, name)
+    if any(a is not None for a in want_aps):
+        assert value == pytest.approx(want, abs=1e-6), seed
+    else:
+        assert np.isnan(value)
+
+
+def test_max_detections_at_or_above_an_images_most_detections_gives_the_map_of_100():
+    pytest.importorskip("pycocotools")
+    gt, dt = _random_case(np.random.default_rng(3), 3)
+    most = max(len(e["boxes"]) for e in dt.values())
+    full = MapMetric(min_iou=0.5).evaluate(gt, dt, ["a", "b", "c"])
+    assert 0 < full[1] < 1 and most >= 5
+    for n in sorted({most, most + 1, 10, 11, 50}):      # before: nan for every n <= 10 (and 11, 50)
+        assert MapMetric(min_iou=0.5, max_detections=n).evaluate(gt, dt, ["a", "b", "c"]) == full, n
+    # fewer: COCOeval keeps the n best-scored detections of each class in each image, as here
+    for n in (1, 2, 3):
+        want_aps, want = _cocoeval(gt, dt, 3, 0.5, max_dets=n)
+        aps, value = MapMetric(min_iou=0.5, max_detections=n).evaluate(gt, dt, ["a", "b", "c"])
+        assert value == pytest.approx(want, abs=1e-9) and value != full[1], n
+        assert [aps[c] for c in "abc"] == pytest.approx(want_aps, abs=1e-9), n
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "100", True, None])
+def test_a_max_detections_that_is_not_a_positive_integer_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=rf"max_detections={bad!r}.*integer >= 1"):
+        MapMetric(max_detections=bad)
+    assert MapMetric(max_detections=np.int64(7)).max_detections == 7

@@ -328,6 +328,75 @@ def test_torchcam_api_of_the_original(tmp_path):
         EvalReport(cam_images=2, cam_type="Magic")
 
 
+class BatchNormCNN(nn.Module):
+    """SmallCNN with a BatchNorm after each conv: a forward in train mode moves their statistics."""
+
+    def __init__(self, classes=3):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3), nn.Linear(8, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def _as_found(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()}, [(n, m.training) for n, m in model.named_modules()],
+            [(n, p.requires_grad) for n, p in model.named_parameters()])
+
+
+@needs_torchcam
+@pytest.mark.parametrize("cam_type", ["GradCAM", "ScoreCAM"])
+@pytest.mark.parametrize("how", ["explains", "under no_grad", "raises midway"])
+def test_explain_leaves_a_training_model_with_batchnorm_as_it_found_it(cam_type, how):
+    """explain() on a model in train mode moved its BatchNorm statistics (num_batches_tracked 0 -> 1):
+    its state_dict, every module's mode and every parameter's requires_grad are as before, also
+    when it raises after the forward; the maps are those of the model in eval mode (inference)."""
+    from basetrainer.utils.torchcam_utils import TorchCAM
+
+    from conftest import weight_diff
+
+    torch.manual_seed(0)
+    model = BatchNormCNN().train()
+    model.features[4].eval()                    # a frozen BatchNorm in a training model
+    model.features[0].requires_grad_(False)     # and a frozen first conv
+    state, modes, flags = _as_found(model)
+    x = _images(4, 2).tensors[0]
+    with TorchCAM(model, target_layer="features.5", input_shape=(3, 16, 16), cam_type=cam_type) as cam:
+        if how == "raises midway":               # class 7 of 3: torchcam refuses it after the forward
+            with pytest.raises(Exception):
+                cam.explain(x, class_idx=[7] * 4)
+        else:
+            with torch.no_grad() if how == "under no_grad" else torch.enable_grad():
+                maps, _ = cam.explain(x)
+    assert weight_diff(state, model.state_dict()) == 0.0
+    assert int(model.features[1].num_batches_tracked) == 0
+    assert [(n, m.training) for n, m in model.named_modules()] == modes
+    assert [(n, p.requires_grad) for n, p in model.named_parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    if how != "raises midway":
+        with TorchCAM(model.eval(), target_layer="features.5", input_shape=(3, 16, 16), cam_type=cam_type) as cam:
+            in_eval, _ = cam.explain(x)
+        assert len(maps) == 4 and all(np.array_equal(a, b) for a, b in zip(maps, in_eval))
+
+
+@needs_torchcam
+def test_cam_grid_puts_back_each_modules_own_mode(tmp_path):
+    """cam_grid put a training model back with model.train(True): a frozen BatchNorm trained again."""
+    from basetrainer.utils.torchcam_utils import cam_grid
+
+    from conftest import weight_diff
+
+    model = BatchNormCNN().train()
+    model.features[1].eval()
+    state, modes, _ = _as_found(model)
+    data = _images(3, 2)
+    cam_grid(model, data.tensors[0], data.tensors[1].tolist(), str(tmp_path / "grid.png"), target_layer="features.5")
+    assert [(n, m.training) for n, m in model.named_modules()] == modes and not model.features[1].training
+    assert weight_diff(state, model.state_dict()) == 0.0 and os.path.getsize(tmp_path / "grid.png") > 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason='mlflow not installed: pip install "basetrainer[mlflow]"')
 def test_mlflow_receives_the_report_as_artifacts(tmp_path):

@@ -46,10 +46,11 @@ class NoisyBlocks(NoisyData, BlockTrainer):
     pass
 
 
-def evaluate(weights_file, model, n_test):
-    """The sample-weighted test loss of ``weights_file`` on the test set of the trainers here."""
+def evaluate(weights_file, model, n_test, data=None):
+    """The sample-weighted test loss of ``weights_file`` on ``data`` (default: the test set of
+    the trainers here)."""
     model.load_state_dict(torch.load(weights_file, weights_only=True))
-    x, y = noisy_blobs(n_test, 1).tensors
+    x, y = (data if data is not None else noisy_blobs(n_test, 1)).tensors
     model.eval()
     with torch.no_grad():
         return float(nn.functional.cross_entropy(model(x), y, reduction="sum") / len(y))
@@ -65,13 +66,13 @@ def named_files(folder):
     return out
 
 
-def assert_files_reproduce_their_names(folder, make_model, n_test, figures):
+def assert_files_reproduce_their_names(folder, make_model, n_test, figures, data=None):
     """Every weights file evaluates to the figure in its name, and to ``figures[epoch]`` (the
-    run's test loss of that epoch) where given."""
+    run's test loss of that epoch) where given (on ``data``, default the test set here)."""
     files = named_files(folder)
     assert any(name.startswith("best_model_") for name in files), sorted(os.listdir(folder))
     for name, (epoch, figure) in sorted(files.items()):
-        got = evaluate(os.path.join(folder, name), make_model(), n_test)
+        got = evaluate(os.path.join(folder, name), make_model(), n_test, data)
         assert got == pytest.approx(figure, abs=5.1e-5), (name, got)          # the name's rounding
         if epoch in figures:
             assert got == pytest.approx(figures[epoch], rel=1e-5), (name, got)   # the epoch's figure

@@ -137,9 +137,12 @@ def test_the_balance_key_refuses_a_value_not_in_the_list():
 
 # ----------------------------------------------------------------------------- training
 class ImbalancedTrainer(ToyTrainer):
+    """cfg: ``counts`` (samples per class), ``shuffle``, ``drop_last``, and the engine's keys."""
+
     def build_train_loader(self, cfg, **kwargs):
-        return self.build_dataloader(_imbalanced(), cfg.batch_size, cfg.num_workers, phase="train",
-                                     drop_last=cfg.get("drop_last", False))
+        counts = {int(c): n for c, n in (cfg.get("counts") or COUNTS).items()}
+        return self.build_dataloader(_imbalanced(counts), cfg.batch_size, cfg.num_workers, phase="train",
+                                     shuffle=cfg.get("shuffle", True), drop_last=cfg.get("drop_last", False))
 
 
 class ClassCounts(Callback):
@@ -231,3 +234,85 @@ def test_sigkill_inside_an_epoch_then_resume_auto_equals_the_uninterrupted_run(t
     a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert weight_diff(a, b) == 0.0
+
+
+# ----------------------------------------------------------------------------- a changed order on resume
+class Crash(Callback):
+    """Raises at ``event`` (on_batch_end or on_test_begin) of ``epoch`` (after ``batch`` steps), like a kill."""
+
+    def __init__(self, event, epoch, batch=None):
+        super().__init__()
+        self.event, self.at = event, (epoch, batch)
+
+    def on_batch_end(self, batch, logs=None):
+        if self.event == "on_batch_end" and (self.trainer.epoch, batch + 1) == self.at:
+            raise RuntimeError("killed")
+
+    def on_test_begin(self, logs=None):
+        if self.event == "on_test_begin" and self.trainer.epoch == self.at[0]:
+            raise RuntimeError("killed")
+
+
+def _balanced_run(work, callbacks=(), **over):
+    """110 samples in 7 batches of 16; last.pth after every step (and at each epoch's end)."""
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+    counts = ClassCounts()
+    cfg = toy_cfg(**{"num_epochs": 2, "batch_size": 16, "lr": 0.2, "momentum": 0.9, "work_dir": str(work), **over})
+    saves = ModelCheckpoint(model_dir=os.path.join(str(work), "model"), indicator="loss", save_freq_steps=1,
+                            async_save=False)
+    cbs = [counts, LossesRecorder(), saves, *callbacks]
+    ImbalancedTrainer(cfg, callbacks=cbs).run()
+    return counts.labels
+
+
+def _files(folder):
+    return {p: open(os.path.join(folder, p), "rb").read() for p in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("before,after,named", [
+    ({}, {"balance": "sqrt"}, "balance: 'none' -> 'sqrt'"),
+    ({}, {"shuffle": False}, "shuffle: True -> False"),
+    ({}, {"counts": {0: 70, 1: 25, 2: 10, 3: 15}}, "training samples: 110 -> 120"),
+    # as many samples, other labels: the same settings draw another resampled list
+    ({"balance": "sqrt"}, {"balance": "sqrt", "counts": {0: 60, 1: 35, 2: 10, 3: 5}}, "the epoch's sample order"),
+])
+def test_a_change_of_the_epochs_order_inside_an_epoch_is_refused_naming_it(tmp_path, before, after, named):
+    # issue 31.8: SIGKILL at step 5 of 8, balance none -> sqrt: the epoch's first batches followed the
+    # old order and the rest the new one (12 of 40 samples never seen that epoch), after one warning
+    work = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="killed"):
+        _balanced_run(work, callbacks=[Crash("on_batch_end", 1, 4)], **before)
+    state = checkpoint.load_file(str(work / "model" / "last.pth"))
+    assert checkpoint.position(state) == (1, "train", 4)
+    files = _files(str(work / "model"))
+    with pytest.raises(ValueError) as refused:
+        _balanced_run(work, resume="auto", **after)
+    message = str(refused.value)
+    assert named in message, message
+    assert "inside epoch 1 (after step 4)" in message and "Resume with the old values to finish epoch 1" in message
+    assert _files(str(work / "model")) == files           # nothing trained, nothing written
+    # the same values go on, and the epoch is the uninterrupted one's
+    resumed = _balanced_run(work, resume="auto", **before)
+    whole = _balanced_run(tmp_path / "whole", **before)
+    assert resumed[1] == whole[1][16 * 4:]
+
+
+@pytest.mark.parametrize("where", ["epoch end", "last step"])
+def test_a_balance_change_at_an_epoch_boundary_is_taken_by_the_next_epoch(tmp_path, where):
+    # "last step": killed in epoch 0's test phase, after the checkpoint of its last step (7 of 7):
+    # nothing of that epoch's order is left to train, so the change is no splice
+    work = tmp_path / "run"
+    if where == "epoch end":
+        _balanced_run(work, num_epochs=1)
+    else:
+        with pytest.raises(RuntimeError, match="killed"):
+            _balanced_run(work, callbacks=[Crash("on_test_begin", 0)])
+    position = checkpoint.position(checkpoint.load_file(str(work / "model" / "last.pth")))
+    assert position == ((0, "end", 7) if where == "epoch end" else (0, "train", 7))
+    resumed = _balanced_run(work, resume="auto", balance="sqrt")
+    fresh = _balanced_run(tmp_path / "sqrt", balance="sqrt")
+    assert resumed[1] == fresh[1]                          # epoch 1 in the new order, label by label
+    assert dict(collections.Counter(resumed[1])) == class_targets(COUNTS, "sqrt")
+    assert 0 not in resumed                                # epoch 0 was not trained again

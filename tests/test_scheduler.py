@@ -3,13 +3,14 @@ run (seen by a Recorder placed BEFORE the schedule, so the LR of step k is set b
 callback's on_batch_begin) and through ``LRSchedulerCallback.lr_at``."""
 import logging
 import math
+import os
 
 import pytest
 import torch
 
 from basetrainer.scheduler import build_scheduler
 from basetrainer.scheduler.build_scheduler import LRSchedulerCallback
-from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg
+from conftest import ROOT, Recorder, TinyNet, ToyTrainer, toy_cfg
 
 LR = 0.1
 STEPS = 4  # 64 samples / batch 16
@@ -173,7 +174,7 @@ def test_warmup_covering_all_epochs_warns(caplog):
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"num_epochs": 0}, "num_epochs=0 must be a positive integer"),
-    ({"num_steps": 0}, "num_steps=0 must be the number of train steps per epoch"),
+    ({"num_steps": 0}, "num_steps=0 must be the number of train batches per epoch"),
     ({"num_warn_up": -1}, "num_warn_up=-1"),
     ({"lr": -0.1}, "lr_init=-0.1 must be a finite number >= 0"),
     ({"lr": -1}, "lr_init=-1 must be a finite number >= 0"),
@@ -303,3 +304,15 @@ def test_gradient_accumulation_uneven_epoch_rounds_up():
     t, lrs = run_lrs(n_train=80, scheduler="constant", num_warn_up=1, accumulate_steps=2, num_epochs=2)
     assert t.num_steps == 5 and t.sched.steps_per_epoch() == 3 and t.global_step == 6
     assert lrs == approx_list([LR / 3, LR / 3, 2 * LR / 3, 2 * LR / 3, LR] + [LR] * 5)
+
+
+def test_num_steps_is_the_train_batches_of_an_epoch_as_the_trainer_page_says():
+    # issue 31 (minor): docs/trainer.md called num_steps "optimizer steps per epoch"; on 8 batches
+    # with accumulate_steps: 3 it is 8, the optimizer steps 3 times and the schedule counts 3
+    t, lrs = run_lrs(n_train=128, num_epochs=1, num_warn_up=1, accumulate_steps=3)
+    assert t.num_steps == 8 == len(t.train_loader)
+    assert t.sched.steps_per_epoch() == 3 and t.global_step == 3
+    assert lrs == approx_list([LR / 3] * 3 + [2 * LR / 3] * 3 + [LR] * 2)   # warm-up over the 3 steps
+    page = " ".join(open(os.path.join(ROOT, "docs", "trainer.md")).read().split())
+    assert ("`num_steps` (train batches per epoch, `len(train_loader)`: with `accumulate_steps: 3` on 8 batches it "
+            "is 8, and the optimizer steps 3 times an epoch") in page

@@ -40,8 +40,9 @@ class EvalReport(Callback):
         tensorboard, trackers: log the PNGs to TensorBoard / the files to the trackers.
 
     Raises:
-        ValueError: at ``on_train_begin``, no test loader, or a multi-process test loader that
-            does not shard without padding (build it with ``build_dataloader(phase="test")``);
+        ValueError: at ``on_train_begin``, no test loader, or a test loader that would count
+            samples twice or not at all over the processes (see
+            :func:`~basetrainer.dataloader.loader.check_test_shards`);
             when reporting, labels the model's class count cannot hold (on every rank).
         ImportError: scikit-learn, matplotlib, torchmetrics (or torchcam, with ``cam_images``)
             missing: ``pip install "basetrainer[eval]"``.
@@ -97,15 +98,9 @@ class EvalReport(Callback):
         if loader is None:
             raise ValueError("EvalReport evaluates the test phase, and the trainer has no test loader: return "
                              "one from build_test_loader (e.g. set test_data), or remove EvalReport")
-        world = comm.get_world_size()
-        if world > 1:
-            from basetrainer.dataloader.loader import ShardSampler
+        from basetrainer.dataloader.loader import check_test_shards
 
-            sampler = getattr(loader, "sampler", None)
-            if not (isinstance(sampler, ShardSampler) and sampler.num_replicas == world):
-                raise ValueError(f"EvalReport: the test loader's sampler ({type(sampler).__name__}) does not shard the "
-                                 f"test set over the {world} processes without padding, so the report would count "
-                                 f"samples twice or not at all: build it with build_dataloader(..., phase='test')")
+        check_test_shards(loader, "EvalReport: the test loader")   # evaluate() checks its loader itself
         self._tested, self._reported = None, None
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:

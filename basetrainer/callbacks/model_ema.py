@@ -6,9 +6,12 @@ though its average is the same, to the bit (primed with the starting weights, th
 optimizer step on a 5-layer model where this costs 3 (it regroups the model's tensors by device
 and dtype every step), it keeps a deep copy of the module, and under fsdp that copy is refused
 ("FSDP does not support deepcopy"), where this holds the average as DTensor shards of the
-state dict, one shard per rank, gathered only for the weights files.
+state dict, one shard per rank, gathered only for the weights files. Under fsdp the buffers
+(BatchNorm statistics) are plain tensors beside the DTensor shards, and the same on every rank
+(:func:`basetrainer.runtime.sharding.buffer_sync`), so their average is a plain tensor too: one
+``_foreach_lerp_`` per kind of tensor (torch refuses a list mixing the two).
 """
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,8 +50,7 @@ class ModelEMA(Callback):
         self.decay = decay
         self.evaluate = evaluate
         self.ema: Optional[Dict[str, torch.Tensor]] = None
-        self._live: List[torch.Tensor] = []
-        self._avg: List[torch.Tensor] = []
+        self._groups: List[Tuple[List[torch.Tensor], List[torch.Tensor]]] = []   # (averages, live) per kind
         self._backup: Optional[Dict[str, torch.Tensor]] = None
         self._step = -1
 
@@ -68,16 +70,21 @@ class ModelEMA(Callback):
             self.ema = {k: v.detach().clone() for k, v in state.items()}
         else:  # resumed: on the model's device, sharded like it (a one-file checkpoint under fsdp)
             self.ema = {k: _like(self.ema[k], v) for k, v in state.items()}
-        keys = [k for k, v in state.items() if v.is_floating_point()]
-        self._live = [state[k] for k in keys]
-        self._avg = [self.ema[k] for k in keys]
+        kinds: Dict[bool, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        for k, v in state.items():
+            if v.is_floating_point():   # DTensor shards (fsdp's parameters) apart from plain tensors (buffers)
+                avg, live = kinds.setdefault(_is_sharded(v), ([], []))
+                avg.append(self.ema[k])
+                live.append(v)
+        self._groups = list(kinds.values())
         self._step = self.trainer.global_step
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.trainer.global_step == self._step:  # accumulating: no optimizer step yet
             return
         self._step = self.trainer.global_step
-        torch._foreach_lerp_(self._avg, self._live, 1.0 - self.decay)
+        for avg, live in self._groups:
+            torch._foreach_lerp_(avg, live, 1.0 - self.decay)
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:
         if self.evaluate and self.ema is not None:
@@ -117,11 +124,15 @@ class ModelEMA(Callback):
         self.ema = dict(state["ema"]) if state.get("ema") else None
 
 
+def _is_sharded(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a DTensor (a shard of an fsdp model's parameter)."""
+    return getattr(value, "device_mesh", None) is not None
+
+
 def _like(saved: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """``saved`` on ``live``'s device, and sharded like it when ``live`` is a DTensor (FSDP)."""
-    mesh = getattr(live, "device_mesh", None)
-    if mesh is not None and getattr(saved, "device_mesh", None) is None:
+    if _is_sharded(live) and not _is_sharded(saved):
         from torch.distributed.tensor import distribute_tensor
 
-        return distribute_tensor(saved.to(live.device), mesh, live.placements)
+        return distribute_tensor(saved.to(live.device), live.device_mesh, live.placements)
     return saved.to(live.device)

@@ -71,7 +71,7 @@ class ProgressBar(Callback):
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._show = self._decide()
 
-    def _open(self, total: int, desc: str) -> None:
+    def _open(self, total: Optional[int], desc: str) -> None:
         self._close()
         if self._show is None:
             self._show = self._decide()
@@ -106,7 +106,7 @@ class ProgressBar(Callback):
         self._close()
         loader = self.trainer.test_loader
         if loader is not None:
-            self._open(len(loader), f"Test  epoch {self.trainer.epoch}")
+            self._open(_batches(loader), f"Test  epoch {self.trainer.epoch}")
 
     def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
                         logs: Optional[dict] = None) -> None:
@@ -119,3 +119,12 @@ class ProgressBar(Callback):
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self._close()
         self._show = None
+
+
+def _batches(loader: Any) -> Optional[int]:
+    """``len(loader)``, or None (a bar without a total) for a loader of an IterableDataset
+    without ``__len__``, which evaluate() takes in one process."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None

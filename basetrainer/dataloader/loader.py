@@ -9,10 +9,11 @@ Evaluation shards the data without padding or duplicates (:class:`ShardSampler`)
 """
 import logging
 import random
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
 
 from basetrainer.dataloader import data_resample
 from basetrainer.dataloader.sampler import GlobalBatchSampler
@@ -106,6 +107,48 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     return DataLoader(dataset, batch_sampler=batches, **common)
 
 
+def check_test_shards(loader: Any, what: str) -> None:
+    """Raise unless ``loader`` gives every process a disjoint share of the samples one process
+    would evaluate, so that figures summed (or gathered) over the ranks count each sample once:
+    in one process any loader but a sampler sharded for another number of processes; in W
+    processes a :class:`ShardSampler` (``build_dataloader(..., phase="test")``) or a
+    DistributedSampler that does not pad, for this rank of W, batched by a plain BatchSampler
+    that keeps each rank's last batch.
+
+    Raises:
+        ValueError: naming ``what``, why samples would count twice or not at all, and the fix.
+    """
+    world, rank = (comm.get_world_size(), comm.get_rank()) if comm.is_dist() else (1, 0)
+    sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
+    fix = ("pass the data set itself (its test loader is built for you), or build the loader with "
+           "build_dataloader(dataset, batch_size, phase='test')")
+    sharded = isinstance(sampler, (DistributedSampler, ShardSampler))
+    if isinstance(sampler, DistributedSampler) and sampler.total_size != len(sampler.dataset):
+        size = len(sampler.dataset)
+        raise ValueError(f"{what}: its DistributedSampler {'pads' if sampler.total_size > size else 'cuts'} {size} "
+                         f"samples to {sampler.total_size}, so the figures would count samples twice or leave some "
+                         f"out: {fix}")
+    if sharded and (sampler.num_replicas, sampler.rank) != (world, rank):
+        raise ValueError(f"{what}: its {type(sampler).__name__} is shard {sampler.rank} of {sampler.num_replicas}, and "
+                         f"this is process {rank} of {world}, so samples would count twice or not at all: {fix}")
+    if world == 1:
+        return
+    why = None
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        why = "iterates an IterableDataset, whose streams in the processes may overlap"
+    elif batches is not None and type(batches) is not BatchSampler:
+        why = (f"batches samples with a {type(batches).__name__}, whose shares in the processes cannot be "
+               f"checked to be disjoint")
+    elif batches is not None and batches.drop_last:
+        why = "drops each process's last incomplete batch, so the samples left out differ from one process's"
+    elif not sharded:
+        why = (f"draws samples with a {type(sampler).__name__}, which is not sharded over the processes: each "
+               f"would evaluate the whole data set (or a share that may overlap the others'), counting samples "
+               f"up to {world} times")
+    if why is not None:
+        raise ValueError(f"{what}: the loader {why} in this {world}-process run: {fix}")
+
+
 def check_equal_lengths(loader: Any) -> None:
     """In a distributed run, every rank must see the same number of train batches, or DDP
     hangs at the first step one rank does not take: compare them up front (loaders made by
@@ -117,6 +160,13 @@ def check_equal_lengths(loader: Any) -> None:
         raise RuntimeError(f"ranks have different numbers of train batches {lengths}: DDP would hang. "
                            f"Use build_dataloader (every rank takes a share of every global batch) "
                            f"or give every rank the same number of batches")
+
+
+def epoch_plan(loader: Any, epoch: int) -> Dict[str, Any]:
+    """What lays out epoch ``epoch`` of a train loader made by :func:`build_dataloader`
+    (:meth:`GlobalBatchSampler.plan`); ``{}`` for a loader of another kind (nothing known)."""
+    batches = getattr(loader, "batch_sampler", None)
+    return batches.plan(epoch) if isinstance(batches, GlobalBatchSampler) else {}
 
 
 def set_epoch(loader: Any, epoch: int, seed: int, rank: int) -> None:

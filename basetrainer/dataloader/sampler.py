@@ -16,9 +16,16 @@ sample from (seed, epoch, index).
 With class balance (``resample``, a :class:`~basetrainer.dataloader.data_resample.ClassBalance`)
 the epoch's order is its resampled list of (seed, epoch), which may hold a sample several times;
 the k-th copy's key is ``(index, epoch + k * 2**32)``, so each copy draws its own augmentation.
-"""
-from typing import Any, Iterator, List, Tuple
 
+A checkpoint taken inside an epoch holds :meth:`GlobalBatchSampler.plan` of it, and a resume
+there is refused when this loader would order that epoch otherwise (a changed ``balance``,
+``shuffle``, data set, batch size): the steps after it would come from another order than the
+steps before it (:mod:`basetrainer.engine.resume`).
+"""
+import hashlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -47,6 +54,7 @@ class GlobalBatchSampler(Sampler):
         self.shuffle, self.seed, self.drop_last, self.with_epoch = shuffle, seed, drop_last, with_epoch
         self.epoch = 0
         self._start = 0
+        self._plan: Optional[Tuple[int, Dict[str, Any]]] = None   # (epoch, plan(epoch)), computed once
         full, rest = divmod(size, batch_size)
         self.global_sizes: List[int] = [batch_size] * full + ([rest] if rest and not drop_last else [])
 
@@ -65,15 +73,29 @@ class GlobalBatchSampler(Sampler):
         n = self.global_sizes[step]
         return len(range(self.rank, n, self.world)), n
 
-    def order(self) -> List[int]:
-        """This epoch's permutation of the data set (with class balance: its resampled list)."""
+    def order(self, epoch: Optional[int] = None) -> List[int]:
+        """Epoch ``epoch``'s (default: this epoch's) permutation of the data set (with class
+        balance: its resampled list)."""
+        epoch = self.epoch if epoch is None else epoch
         if self.resample is not None:
-            return self.resample.indices(self.epoch)
+            return self.resample.indices(epoch)
         if not self.shuffle:
             return list(range(self.size))
         g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
+        g.manual_seed(self.seed + epoch)
         return torch.randperm(self.size, generator=g).tolist()
+
+    def plan(self, epoch: int) -> Dict[str, Any]:
+        """What lays out epoch ``epoch``'s global batches, the same on every rank and world size:
+        ``samples``, ``batch_size``, ``shuffle``, ``balance`` (``"none"`` without class balance),
+        ``order``, a digest of the epoch's order (which the seed, the labels and any of those
+        decide), and ``batches``, how many there are."""
+        if self._plan is None or self._plan[0] != epoch:
+            digest = hashlib.sha256(np.asarray(self.order(epoch), dtype=np.int64).tobytes()).hexdigest()[:16]
+            balance = self.resample.balance if self.resample is not None else "none"
+            self._plan = (epoch, {"samples": self.size, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                                  "balance": balance, "order": digest, "batches": len(self)})
+        return dict(self._plan[1])
 
     def __iter__(self) -> Iterator[List[Any]]:
         order, start, self._start = self.order(), self._start, 0

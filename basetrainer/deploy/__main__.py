@@ -14,6 +14,15 @@ from typing import List, Optional
 from basetrainer.deploy.formats import FORMATS
 
 
+def _indices(text: str) -> List[int]:
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give output indices (e.g. 0 or 0,2) or none") from None
+
+
 def get_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m basetrainer.deploy", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="weights file, last.pth (sharded too) or pruned_model.pth")
@@ -27,7 +36,10 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", help="default: export/ beside the checkpoint")
     parser.add_argument("--name", help="base name of the files (default: the checkpoint's)")
     parser.add_argument("--net-type", help="for a weights file whose run config is not found")
-    parser.add_argument("--num-classes", type=int)
+    parser.add_argument("--num-classes", type=int, help="also: outputs [N, num_classes] are class scores")
+    parser.add_argument("--class-outputs", type=_indices, metavar="K[,K...]|none",
+                        help="the outputs that hold class scores (top-1 and accuracy are checked on them only); "
+                             "default: those with --num-classes (or the run's, or the check folder's) columns")
     parser.add_argument("--pruned", help="the run's prune/pruned_model.pth, for weights of a pruned model")
     parser.add_argument("--weights", default="model", choices=["model", "ema"], help="ema: ModelEMA's average")
     parser.add_argument("--mean", nargs=3, type=float, default=[0.5, 0.5, 0.5])
@@ -58,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               calibration=args.calibration, calibration_images=args.calibration_images,
                               mean=args.mean, std=args.std, batch=args.batch, simplify=not args.no_simplify,
                               exporter=args.exporter, opset=args.opset, runs=args.runs, warmup=args.warmup,
-                              threads=args.threads, name=args.name)
+                              threads=args.threads, name=args.name, class_outputs=args.class_outputs)
     except (ParityError, ExportFailed) as e:
         sys.stdout.write(e.report.to_markdown())   # type: ignore[attr-defined]
         sys.stderr.write(f"error: {e}\n")

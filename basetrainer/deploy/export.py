@@ -18,7 +18,7 @@ Example::
 """
 import logging
 import os
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from basetrainer.deploy.files import Staging, size_of, staging
 from basetrainer.deploy.formats import HARDWARE, Job, check_installed, parse_formats, weight_bytes
 from basetrainer.deploy.latency import interleaved
 from basetrainer.deploy.onnx_format import ExportError, pick_exporter
-from basetrainer.deploy.parity import BOUNDS, ParityError, compare, failures
+from basetrainer.deploy.parity import BOUNDS, Bound, ParityError, compare, failures, find_class_outputs
 from basetrainer.deploy.report import ExportReport, Row
 from basetrainer.deploy.runtimes import require
 from basetrainer.deploy.source import load_model
@@ -53,7 +53,7 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                  runs: int = 20, warmup: int = 3, threads: Optional[int] = None, name: Optional[str] = None,
                  strict: bool = True, dynamic: bool = True, input_names: Sequence[str] = ("input",),
                  output_names: Sequence[str] = ("output",), report_files: bool = True,
-                 channels: Optional[int] = None) -> ExportReport:
+                 class_outputs: Optional[Sequence[int]] = None, channels: Optional[int] = None) -> ExportReport:
     """Export ``source`` to ``formats`` in ``out_dir``, checked on ``check``, and return the report.
 
     Args:
@@ -79,6 +79,10 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         dynamic: the exported batch axis is dynamic (``False``: a fixed batch of 1).
         input_names, output_names: the ONNX graph's names.
         report_files: write ``<name>.export.json`` and ``.md`` into ``out_dir``.
+        class_outputs: the indices of the outputs that hold class scores (``[]``: none); top-1
+            agreement and accuracy are checked on these only. Default: the outputs ``[N, C, ...]``
+            with ``C`` = ``num_classes`` (given, or the checkpoint's run's), else the check folder's
+            class count (see :func:`basetrainer.deploy.parity.find_class_outputs`).
         channels: the image's channels (default: found by probing the forward pass: those with
             which the first layer the image reaches gets the channels it takes; see
             :mod:`.inputs`). A value with which it does not is an error.
@@ -102,9 +106,9 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
     inputs.check_forward(src.model, shape, src.input_size, guessed)
     images = _images(check, shape, check_limit, mean, std)
     reference = _eager(src.model, images.inputs)
-    if images.labels is not None and reference[0].ndim == 2 and reference[0].shape[1] != len(images.classes):
-        raise ValueError(f"check folder {images.source!r} has {len(images.classes)} classes and the model has "
-                         f"{reference[0].shape[1]} outputs; pass the validation folder of the run that trained it")
+    scores = find_class_outputs(reference, class_outputs, src.num_classes,
+                                len(images.classes) if images.labels is not None else None)
+    names = [str(n) for n in output_names] if len(output_names) == len(reference) else None
     calib = _calibration(calibration, check, chosen, shape, calibration_images, mean, std)
     out_dir = out_dir or _default_out_dir(source)
     stem = name or (os.path.splitext(os.path.basename(os.fspath(source)))[0]
@@ -113,18 +117,19 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
     report = ExportReport(src.description, list(shape), f"{len(images.inputs)} {images.source}")
     eager = Row("pytorch", "PyTorch (eager)", "fp32", files=[os.fspath(source)] if isinstance(source, (str, os.PathLike))
                 else [], size_bytes=weight_bytes(src.model),
-                parity=compare(reference, reference, images.labels).as_dict())
+                parity=compare(reference, reference, images.labels, scores, names).as_dict())
     report.rows.append(eager)
     report.inputs, report.runners = images.inputs, {"pytorch": _eager_runner(src.model)}
     with staging(out_dir) as stage:
         job = Job(src.model, shape, stage, stem, exporter, opset, simplify, calib, dynamic,
                   (tuple(input_names), tuple(output_names)))
         for fmt in chosen:
-            row = Row(fmt.name, fmt.runtime, fmt.precision, BOUNDS[fmt.precision].describe())
+            row = Row(fmt.name, fmt.runtime, fmt.precision, BOUNDS[fmt.precision].describe(bool(scores)))
             report.rows.append(row)
             try:   # in a folder of its own: removed after, and a full disk is one DiskFullError
                 with stage.attempt(f"the {fmt.name} files", job.weight_bytes) as own:
-                    engine = _export_one(fmt, job, own, row, images, reference, batch, threads, out_dir)
+                    engine = _export_one(fmt, job, own, row, images, (reference, scores, names), batch, threads,
+                                         out_dir)
             except Exception as e:   # one format's failure must not stop the others
                 logger.debug("%s failed", fmt.name, exc_info=True)
                 row.status, row.problems = "error", [f"{type(e).__name__}: {e}"]
@@ -133,6 +138,10 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                 report.runners[fmt.name] = engine
     if runs:
         time_reports([report], batch, runs, warmup, threads)
+    for out in report.rows[0].parity["outputs"]:
+        if out["nonfinite_reference"]:
+            report.notes.append(f"the model's output {out['name']} holds {out['nonfinite_reference']} NaN or infinite "
+                                f"values on the check inputs: the exports must give the same there")
     if src.input_size and list(src.input_size) != list(size):
         report.notes.append(f"exported at {size[0]}x{size[1]}; the run trained at {src.input_size[0]}x{src.input_size[1]}")
     unwritten = None
@@ -154,20 +163,23 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
     return report
 
 
-def _export_one(fmt: Any, job: Job, stage: Staging, row: Row, images: Any, reference: List[np.ndarray],
-                batch: int, threads: int, out_dir: str) -> Any:
+def _export_one(fmt: Any, job: Job, stage: Staging, row: Row, images: Any,
+                expected: Tuple[List[np.ndarray], Sequence[int], Any], batch: int, threads: int, out_dir: str) -> Any:
+    reference, scores, names = expected   # the model's outputs, which hold class scores, their names
     staged = fmt.write(job, stage)
     engine = fmt.load(staged, threads)
-    parity = compare(reference, engine(images.inputs), images.labels)
+    bound = BOUNDS[fmt.precision]
+    parity = compare(reference, engine(images.inputs), images.labels, scores, names)
+    # the export at batch N against itself one sample at a time, by the same rule, every output
     part = images.inputs[:batch]
-    together = engine(part)[0]
-    alone = np.concatenate([engine(part[i:i + 1])[0] for i in range(len(part))], axis=0)
-    parity.batch_max_abs = float(np.abs(together.astype(np.float64) - alone).max())
+    parts = [engine(part[i:i + 1]) for i in range(len(part))]
+    alone = [np.concatenate([p[k] for p in parts], axis=0) for k in range(len(parts[0]))]
+    batched = compare(alone, engine(part), names=names)
+    parity.batch_max_abs = batched.max_abs
     row.parity = parity.as_dict()
-    row.problems = failures(parity, BOUNDS[fmt.precision])
-    tolerance = BOUNDS[fmt.precision].max_abs or 1e-2 * max(parity.max_reference, 1e-12)
-    if parity.batch_max_abs > tolerance:
-        row.problems.append(f"batch of {len(part)} differs from one sample at a time by {parity.batch_max_abs:.3g}")
+    row.problems = failures(parity, bound)
+    row.problems += [f"batch of {len(part)} against one sample at a time: {p}"
+                     for p in failures(batched, Bound(rel=bound.rel))]
     if row.problems:
         full = stage.space_error()   # files that load but disagree: cut short by a full disk?
         if full is not None:
@@ -178,8 +190,10 @@ def _export_one(fmt: Any, job: Job, stage: Staging, row: Row, images: Any, refer
     row.files = stage.publish([(s, os.path.join(out_dir, os.path.basename(s))) for s in staged])
     row.files = row.files[::-1] if len(row.files) > 1 else row.files    # the file naming the others first
     row.size_bytes = size_of(row.files)
-    logger.info("%s: %s (max |Δ| %.3g, top-1 agreement %.2f%%)", fmt.name, ", ".join(row.files),
-                parity.max_abs, 100 * parity.agreement)
+    worst = parity.worst
+    logger.info("%s: %s (max |Δ| %.3g, %.2g of the scale of output %s%s)", fmt.name, ", ".join(row.files),
+                parity.max_abs, worst.rel if worst else 0.0, worst.name if worst else "-",
+                "" if parity.agreement is None else f", top-1 agreement {parity.agreement:.2%}")
     return engine
 
 

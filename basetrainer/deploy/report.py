@@ -47,16 +47,26 @@ class ExportReport:
                 "rows": [row.__dict__ for row in self.rows], "notes": self.notes}
 
     def to_markdown(self) -> str:
+        """The table. ``max Δ / scale`` is the largest difference relative to the output's scale (the
+        bound's measure; with several outputs, the output furthest off is named). ``top-1 agree``
+        and ``accuracy`` are columns only when the model has class-score outputs and labels."""
         sizes = sorted({k for row in self.rows for k in row.latency})
-        head = ["format", "runtime", "precision", "file", "size", "max abs Δ", "top-1 agree", "accuracy",
-                "batch 1 vs N Δ"] + [f"{k} ms (IQR)" for k in sizes] + ["status"]
+        parities = [row.parity or {} for row in self.rows]
+        several = any(len(p.get("outputs") or []) > 1 for p in parities)
+        columns = [("max abs Δ", lambda p: _num(p.get("max_abs"))),
+                   ("max Δ / scale", lambda p: _relative(p, several))]
+        if any(p.get("agreement") is not None for p in parities):
+            columns.append(("top-1 agree", lambda p: _pct(p.get("agreement"))))
+        if any(p.get("accuracy") is not None for p in parities):
+            columns.append(("accuracy", lambda p: _pct(p.get("accuracy"))))
+        columns.append(("batch 1 vs N Δ", lambda p: _num(p.get("batch_max_abs"))))
+        head = (["format", "runtime", "precision", "file", "size"] + [name for name, _ in columns]
+                + [f"{k} ms (IQR)" for k in sizes] + ["status"])
         lines = [f"Export of {self.source}, input {tuple(self.input_shape)}, checked on {self.checked_on}", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for row in self.rows:
-            p = row.parity or {}
+        for row, p in zip(self.rows, parities):
             cells = [row.format, row.runtime, row.precision, ", ".join(os.path.basename(f) for f in row.files) or "-",
-                     _size(row.size_bytes), _num(p.get("max_abs")), _pct(p.get("agreement")), _pct(p.get("accuracy")),
-                     _num(p.get("batch_max_abs"))]
+                     _size(row.size_bytes)] + [cell(p) for _, cell in columns]
             cells += [_latency(row.latency.get(k)) for k in sizes]
             cells.append(row.status if row.status == "ok" else f"**{row.status}**: {'; '.join(row.problems)}")
             lines.append("| " + " | ".join(cells) + " |")
@@ -76,6 +86,12 @@ class ExportReport:
 
 def _num(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2g}"
+
+
+def _relative(parity: Dict[str, Any], several: bool) -> str:
+    if parity.get("rel") is None:
+        return "-"
+    return f"{parity['rel']:.2g}" + (f" ({parity['worst_output']})" if several and parity.get("worst_output") else "")
 
 
 def _pct(value: Optional[float]) -> str:

@@ -5,7 +5,7 @@ order of the events is written once, in :class:`~basetrainer.callbacks.callbacks
 """
 import contextlib
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -69,6 +69,7 @@ class Engine:
         self._placeholder = False       # this step's batch is a placeholder (no sample of this rank)
         self._updated = True            # the last step ended its accumulation window
         self._compile_checked = True
+        self._buffer_sync: Optional[Callable[[], None]] = None   # ddp/fsdp: rank 0's buffers to all, each step
 
     # ----------------------------------------------------------------------------- checkpoints
     # where the run is and its checkpoints: self.checkpointer's (checkpointer.py), by the names callbacks use
@@ -89,6 +90,14 @@ class Engine:
     def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> Optional[str]:
         """A resumable checkpoint of this point (``Checkpointer.save``); inside an accumulation window, at its end."""
         return self.checkpointer.save(path, background, in_window=not self._updated)
+
+    def epoch_plan(self) -> Dict[str, Any]:
+        """What lays out the batches of the epoch in progress (``loader.epoch_plan``), for a
+        checkpoint taken inside its train phase: a resume there must find the same. ``{}``
+        elsewhere, or for a train loader not made by ``build_dataloader``."""
+        if self.phase != "train" or not self.batch_in_epoch:
+            return {}
+        return loaders.epoch_plan(self.train_loader, self.epoch)
 
     def preempt(self, where: str) -> None:
         """Save a resumable checkpoint of this point and exit with status 128 + signal number."""
@@ -117,6 +126,7 @@ class Engine:
         self.scaler = self.scaler or precision.make_scaler(self.amp)
         self._non_blocking = self.device.type == "cuda"
         self.restore()
+        self._buffer_sync = sharding.buffer_sync(self.model)
         self.logs = logs = {**self.checkpointer.restored_logs, **(logs or {})}
         self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
         for loader in (self.train_loader, self.test_loader):
@@ -224,6 +234,8 @@ class Engine:
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if self._buffer_sync is not None:
+            self._buffer_sync()
         self.checkpointer.global_step += 1
 
     @torch.no_grad()

@@ -38,17 +38,21 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- evaluate
-def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None) -> Dict[str, Any]:
-    """Run the test phase over ``loader`` (default: the trainer's test loader) with the
-    trainer's callbacks and return the test figures they wrote (see the module's docstring).
+def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None,
+             batch_size: Optional[int] = None) -> Dict[str, Any]:
+    """Run the test phase over ``loader`` (default: the trainer's test loader; a data set: a
+    test loader of ``batch_size``, default the config's) with the trainer's callbacks and
+    return the test figures they wrote (see the module's docstring).
 
     Raises:
-        ValueError: no loader and no test loader, a loader that pads (a DistributedSampler
-            whose shards repeat samples), a checkpoint that does not fit the model.
+        ValueError: no loader and no test loader, a loader that would count samples twice or
+            not at all over the processes (not sharded for them, padded, drop_last: see
+            :func:`~basetrainer.dataloader.loader.check_test_shards`), a checkpoint that does
+            not fit the model.
         FileNotFoundError: ``checkpoint`` does not exist.
     """
     name = type(engine).__name__
-    loader = inference_data.evaluate_loader(engine, loader)
+    loader = inference_data.evaluate_loader(engine, loader, batch_size)
     _check_model(engine, "evaluate")
     if engine.criterion is None and _default_run_step(engine):
         raise ValueError(f"{name}.evaluate(): the default run_step needs a criterion (the loss is a test "

@@ -10,18 +10,20 @@ from basetrainer.dataloader import loader as loaders
 from basetrainer.runtime import comm
 
 
-def evaluate_loader(engine: Any, loader: Any) -> DataLoader:
-    """The loader evaluate runs over: ``loader``, a test loader of a data set, or (None) the
-    trainer's test loader. A DistributedSampler that pads the data set is refused."""
+def evaluate_loader(engine: Any, loader: Any, batch_size: Optional[int] = None) -> DataLoader:
+    """The loader evaluate runs over: ``loader``, a test loader built of a data set (every rank a
+    shard; ``batch_size`` or the config's), or (None) the trainer's test loader; checked to
+    count each sample once over the processes (:func:`~basetrainer.dataloader.loader.check_test_shards`)."""
+    what = "evaluate(loader)"
     if loader is None:
-        loader = engine.test_loader
+        loader, what = engine.test_loader, f"{type(engine).__name__}.evaluate(): the test loader of build_test_loader"
         if loader is None:
             raise ValueError(f"{type(engine).__name__}.evaluate(): there is no test data: return a test loader "
                              f"from build_test_loader (e.g. set test_data in the config), or pass one: "
                              f"evaluate(loader=...)")
     elif not isinstance(loader, DataLoader):
-        loader = _loader_of(engine, _as_dataset(loader, "evaluate(loader=...)"), None, "evaluate")
-    _refuse_padding(loader)
+        loader = _loader_of(engine, _as_dataset(loader, "evaluate(loader=...)"), batch_size, "evaluate")
+    loaders.check_test_shards(loader, what)
     return loader
 
 
@@ -82,18 +84,6 @@ def check_in_order(loader: DataLoader) -> None:
     raise ValueError(f"predict(loader): its {type(sampler).__name__} does not give every sample of the data set "
                      f"once, in order, over the {world} process(es) (shuffled, padded, a subset, or not sharded "
                      f"for this world size): {fix}")
-
-
-def _refuse_padding(loader: Any) -> None:
-    """A DistributedSampler pads the data set to a multiple of the ranks: those samples would
-    count twice in the figures."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    sampler = getattr(loader, "sampler", None)
-    if isinstance(sampler, DistributedSampler) and sampler.total_size != len(sampler.dataset):
-        raise ValueError(f"evaluate(loader): its DistributedSampler pads {len(sampler.dataset)} samples to "
-                         f"{sampler.total_size}, so the figures would count samples twice: build it with "
-                         f"build_dataloader(dataset, batch_size, phase='test') (exact shards, no padding)")
 
 
 def _test_transform(engine: Any) -> Optional[Callable]:

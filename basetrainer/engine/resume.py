@@ -7,7 +7,11 @@
   ``overwrite: true`` moves the old run aside (``<folder>.old-<time>``) first.
 - On resume, a changed config is reported key by key. Keys that shape what comes next (lr,
   num_epochs, log_freq, ...) take the new value; a change that makes the run no continuation
-  (model, input size, data, seed) is refused, naming the key.
+  (model, input size, data, seed) is refused, naming the key. So is, for a checkpoint taken
+  inside an epoch, anything that lays out that epoch's batches otherwise (``batch_size``,
+  ``accumulate_steps``, and what draws its order: ``balance``, ``shuffle``, the training set),
+  told by the epoch's plan saved with it (``loader.epoch_plan``): the steps after the stop would
+  come from another order than those before it.
 
 The main process decides (it alone touches files); every rank receives the decision (a
 :class:`~basetrainer.engine.checkpointer.Start`) and hands it to its engine's checkpointer, which
@@ -17,8 +21,9 @@ raise the same error.
 import builtins
 import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from basetrainer.dataloader import loader as loaders
 from basetrainer.engine.checkpointer import Start
 from basetrainer.runtime import atomic, checkpoint, comm, run_folder
 
@@ -95,19 +100,50 @@ def _folders(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> Lis
     return sorted(set(found))
 
 
+# what a plan of an epoch's batches (loader.epoch_plan) holds, named as the user sets it
+_PLAN_NAMES = {"samples": "training samples", "batch_size": "batch_size", "shuffle": "shuffle",
+               "balance": "balance"}
+
+
 def _refuse_other_runs(trainer: Any, state: dict, path: str) -> None:
     changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg))
     breaking = [c for c in changes if c[0] in checkpoint.IDENTITY_KEYS]
-    _, phase, batch = checkpoint.position(state)
-    if phase == "train" and batch:  # the position inside the epoch counts batches of the old size,
-        # and the epoch's accumulation windows (and their weights) are laid out from its first batch
-        breaking += [c for c in changes if c[0] in ("batch_size", "accumulate_steps")]
     if breaking:
         raise ValueError(
             f"resume from {path}: the config changes what is trained, so this would not continue that run: "
             + "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in breaking)
             + ". Keep those values to resume it, or start a new run: another work_dir, or overwrite: true "
               "(moves the old run aside)")
+    epoch, phase, batch = checkpoint.position(state)
+    if phase != "train" or not batch:
+        return
+    # the position counts batches of the old size, and accumulation windows start at the epoch's first batch
+    layout = [c for c in changes if c[0] in ("batch_size", "accumulate_steps")]
+    saved_plan, plan = state.get("epoch_plan") or {}, loaders.epoch_plan(trainer.train_loader, epoch)
+    if saved_plan and plan:   # the order was drawn with these (balance's resampled list included)
+        if batch < saved_plan.get("batches", batch + 1):   # else no batch of that order is left to train
+            layout += _plan_changes(saved_plan, plan, {key for key, _, _ in layout})
+    else:   # an older checkpoint, or a loader not made by build_dataloader: the config key that draws it
+        layout += [c for c in changes if c[0] == "balance"]
+    if layout:
+        raise ValueError(
+            f"resume from {path}: it was saved inside epoch {epoch} (after step {batch}), and the epoch's batches "
+            f"are laid out otherwise now: " + "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in layout)
+            + f". The steps after the stop would not continue the {batch} before it (other batches: samples seen "
+              f"twice, others never). Resume with the old values to finish epoch {epoch} (from the checkpoint at "
+              f"its end on, the new ones apply), or start a new run: another work_dir, or overwrite: true")
+
+
+def _plan_changes(saved: Dict[str, Any], current: Dict[str, Any], named: Set[str]) -> List[Tuple[str, Any, Any]]:
+    """``(what, saved, current)`` for each setting of an epoch's plan (``loader.epoch_plan``)
+    that differs, those in ``named`` (config keys already reported) left out; the order itself
+    when it differs with every setting the same (e.g. a training set's labels changed)."""
+    out = [(name, saved.get(key), current.get(key)) for key, name in _PLAN_NAMES.items()
+           if saved.get(key) != current.get(key)]
+    if not out and saved.get("order") != current.get("order"):
+        out.append(("the epoch's sample order (same settings: the training set's content?)",
+                    saved.get("order"), current.get("order")))
+    return [c for c in out if c[0] not in named]
 
 
 def _choose_folder(trainer: Any) -> Optional[str]:

@@ -73,7 +73,7 @@ class EngineTrainer(Engine):
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.channels_last = bool(cfg.channels_last)
         self._compile_checked = not cfg.compile
-        self.num_steps = 0      # train steps per epoch (len(train_loader))
+        self.num_steps = 0      # train batches per epoch (len(train_loader)), not optimizer steps
         self.num_samples = 0    # training samples (the whole data set, all processes)
         self.is_main_process = comm.is_main_process()
         self.world_size = comm.get_world_size()
@@ -261,25 +261,31 @@ class EngineTrainer(Engine):
         resume.prepare_run(self)
 
     # ----------------------------------------------------------------------------- evaluate, predict
-    def evaluate(self, loader: Any = None, checkpoint: Optional[str] = None) -> Dict[str, Any]:
+    def evaluate(self, loader: Any = None, checkpoint: Optional[str] = None,
+                 batch_size: Optional[int] = None) -> Dict[str, Any]:
         """Run the test phase with this trainer's callbacks (no training) and return the test
         figures its recorders wrote, reduced over every rank: ``{"test/Accuracy": ..., "test/loss": ...}``.
 
         Args:
-            loader: a DataLoader or a data set (default: the test loader of ``build_test_loader``).
+            loader: a data set (a test loader is built: every process a shard), or a DataLoader
+                that counts each sample once over the processes: any in one process, one of
+                ``build_dataloader(..., phase="test")`` (or a DistributedSampler that does not
+                pad) in several (default: the test loader of ``build_test_loader``).
             checkpoint: load these weights first: a weights file (best or per-epoch), a resumable
                 ``last.pth``, or ``"auto"`` (the newest loadable checkpoint of this run's folder).
+            batch_size: the global batch for a data set (default: ``cfg.batch_size``).
 
         Raises:
-            ValueError: no test data (no ``build_test_loader`` loader and none given), a padding
-                DistributedSampler, a checkpoint that does not fit the model.
+            ValueError: no test data (no ``build_test_loader`` loader and none given), a loader
+                not sharded for the processes (a plain DataLoader in a multi-process run), a
+                padding DistributedSampler, a checkpoint that does not fit the model.
             FileNotFoundError: the checkpoint does not exist.
 
         Example::
 
             figures = trainer.evaluate(checkpoint="work_space/model/last.pth")
         """
-        return inference.evaluate(self, loader, checkpoint)
+        return inference.evaluate(self, loader, checkpoint, batch_size)
 
     def predict(self, loader: Any, output: Optional[str] = None, checkpoint: Optional[str] = None,
                 transform: Optional[Callable] = None, batch_size: Optional[int] = None) -> Any:

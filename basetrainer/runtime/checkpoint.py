@@ -260,6 +260,7 @@ def capture(engine: Any, rngs: Optional[List[dict]] = None) -> dict:
         "phase": phase,                            # train (inside the epoch) | test | end
         "epoch_complete": phase == "end",
         "batch": int(engine.batch_in_epoch),       # train steps done in this epoch
+        "epoch_plan": engine.epoch_plan(),         # inside the train phase: what lays out its batches
         "global_step": int(engine.global_step),
         "model": model_state,
         "optimizer": optimizer_state,

@@ -1,5 +1,7 @@
-"""The user's model inside the wrappers training puts around it."""
-from typing import Any, Tuple
+"""The user's model inside the wrappers training puts around it, and a model put in eval mode
+for a while."""
+import contextlib
+from typing import Any, Iterator, Tuple
 
 import torch
 from torch import nn
@@ -35,3 +37,18 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.model
         else:
             return model
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block (a forward in train mode moves BatchNorm's running
+    statistics), every module's own mode put back after it, also when the block raises
+    (``model.train(was)`` would set them all alike: a frozen BatchNorm of a training model
+    would train again)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training

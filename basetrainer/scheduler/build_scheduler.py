@@ -83,7 +83,7 @@ class LRSchedulerCallback(Callback):
                  num_steps: int, num_warn_up: float = 0) -> None:
         super().__init__()
         if not isinstance(num_steps, int) or num_steps <= 0:
-            raise ValueError(f"num_steps={num_steps!r} must be the number of train steps per epoch "
+            raise ValueError(f"num_steps={num_steps!r} must be the number of train batches per epoch "
                              f"(len(train_loader)), a positive integer")
         if num_warn_up is None or num_warn_up < 0:
             raise ValueError(f"num_warn_up={num_warn_up!r} must be a number of epochs >= 0")
@@ -165,10 +165,13 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
             (``optimizer.defaults["lr"]``): groups at the default take it, groups given an LR of
             their own keep theirs. Default: every group keeps its current LR. A finite number >= 0.
         num_epochs: total epochs (cosine anneals to ``lr_min`` at the end).
-        num_steps: train steps per epoch (``len(train_loader)``).
+        num_steps: train batches per epoch (``len(train_loader)``, the trainer's ``num_steps``);
+            with ``accumulate_steps`` the schedule counts ``ceil(num_steps / accumulate_steps)``
+            optimizer steps per epoch.
         milestones: 0-based epochs from which the LR is multiplied by ``gamma`` (multi-step).
-        num_warn_up: epochs of linear warm-up, applied per step: step k of the warm-up has LR
-            ``lr_init * (k + 1) / (num_warn_up * num_steps)``.
+        num_warn_up: epochs of linear warm-up, applied per optimizer step: step k of the warm-up
+            has LR ``lr_init * (k + 1) / (num_warn_up * S)``, S the optimizer steps per epoch
+            (``num_steps`` without accumulation).
         gamma: decay factor (0.1 for multi-step/step, 0.95 per epoch for exponential).
         step_size: epochs between decays for ``step`` (default: a third of ``num_epochs``).
         lr_min: the final LR of ``cosine`` for the groups at the default LR; a group with an LR of

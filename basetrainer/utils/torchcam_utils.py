@@ -12,9 +12,12 @@ or, as the original: ``cam.set_image(image)``, run the model, ``cam.set_outputs(
 ``cam.get_heatmap()``. :func:`cam_grid` draws a grid of images with their heatmaps (what
 :class:`~basetrainer.callbacks.eval_report.EvalReport` puts in the report).
 
-``explain`` leaves the model as it found it: no gradient is accumulated into its parameters
-(they are frozen for the pass; the gradient flows from the input), and the random generators
-are restored (SmoothGrad-CAM++ draws noise), so a report during training does not change it.
+``explain`` explains the model's inference (it runs it in eval mode: BatchNorm's running
+statistics, no dropout) and leaves the model as it found it: every module's train/eval mode
+and every parameter's ``requires_grad`` are put back, no gradient is accumulated into its
+parameters (they are frozen for the pass; the gradient flows from the input), no BatchNorm
+statistic moves, and the random generators are restored (SmoothGrad-CAM++ draws noise), so a
+report during training does not change it — also when it raises.
 """
 import io
 import logging
@@ -23,6 +26,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import nn
+
+from basetrainer.runtime.modules import eval_mode
 
 logger = logging.getLogger(__name__)
 
@@ -164,17 +169,19 @@ class TorchCAM:
         return self.get_heatmap(vis=vis)
 
     def explain(self, inputs: torch.Tensor, images: Any = None, class_idx: Any = None) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-        """Forward ``inputs`` and map the class ``class_idx`` (default: the predicted one) of each.
+        """Forward ``inputs`` in eval mode and map the class ``class_idx`` (default: the
+        predicted one) of each.
 
-        The parameters are frozen for the pass (nothing lands in their ``.grad``) and the random
-        generators restored after it; the model's train/eval mode is left as it is.
+        The parameters are frozen for the pass (nothing lands in their ``.grad``); every module's
+        mode, the parameters' ``requires_grad`` and the random generators are put back after it,
+        also when it raises.
         """
         frozen = [p for p in self.model.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
         devices = [torch.cuda.current_device()] if inputs.is_cuda else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with eval_mode(self.model), torch.random.fork_rng(devices=devices), torch.enable_grad():
                 x = inputs.detach().clone().requires_grad_(True)
                 self.set_image(list(images) if images is not None else [to_image(t) for t in inputs])
                 self.set_outputs(self.model(x))
@@ -251,15 +258,11 @@ def cam_grid(model: nn.Module, inputs: torch.Tensor, labels: Sequence[int], path
     h, w = inputs.shape[-2:]
     scale = scale or max(1, 160 // max(h, w))
     images = [np.asarray(Image.fromarray(to_image(t)).resize((w * scale, h * scale), Image.NEAREST)) for t in inputs]
-    was = model.training
-    model.eval()
-    try:
-        with TorchCAM(model, target_layer=target_layer, input_shape=tuple(inputs.shape[1:]), cam_type=cam_type) as cam:
-            featuremaps, heatmaps = cam.explain(inputs, images)
-            with torch.no_grad():
-                pred = model(inputs).argmax(dim=1).tolist()
-    finally:
-        model.train(was)
+    with eval_mode(model), TorchCAM(model, target_layer=target_layer, input_shape=tuple(inputs.shape[1:]),
+                                    cam_type=cam_type) as cam:
+        featuremaps, heatmaps = cam.explain(inputs, images)
+        with torch.no_grad():
+            pred = model(inputs).argmax(dim=1).tolist()
     names = [str(c) for c in class_names] if class_names is not None else None
     n = len(heatmaps)
     cols = max(1, min(columns, n))

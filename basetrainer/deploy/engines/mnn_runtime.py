@@ -80,15 +80,15 @@ class MNNEngine(InferenceEngine):
 
     @staticmethod
     def get_node_names(mnn_file: str) -> tuple:
-        """``(input names, output names, input shape)`` of an ``.mnn`` file."""
+        """``(input names, output names, input shape)`` of an ``.mnn`` file, the names in the
+        model's order (the converter stores the ONNX graph's; the interpreter's session lists
+        them sorted by name, which would hand the outputs back in another order)."""
         mnn = require("MNN")
         with quiet_stdout("MNN"):
+            info = mnn.nn.load_module_from_file(mnn_file, [], []).get_info()
             interpreter = mnn.Interpreter(mnn_file)
-            session = interpreter.createSession()
-            inputs = interpreter.getSessionInputAll(session)
-            outputs = interpreter.getSessionOutputAll(session)
-            shape = list(interpreter.getSessionInput(session).getShape())
-        return list(inputs), list(outputs), shape
+            shape = list(interpreter.getSessionInput(interpreter.createSession()).getShape())
+        return list(info["inputNames"]), list(info["outputNames"]), shape
 
     def _run(self, batch: np.ndarray) -> List[np.ndarray]:
         expr = self._mnn.expr

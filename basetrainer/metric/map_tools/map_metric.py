@@ -13,6 +13,7 @@ mAP, 0.793 against 0.856, in tests/test_eval_map.py's case).
 """
 import importlib.util
 import logging
+import numbers
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,6 +24,10 @@ from basetrainer.runtime import comm
 logger = logging.getLogger(__name__)
 
 BACKENDS = {"pycocotools": "pycocotools", "faster_coco_eval": "faster_coco_eval"}
+# COCO's 101 recall points, built as COCOeval builds them (float64). torchmetrics' default is a
+# float32 linspace, where 0.8 is 0.8000000119: a precision reached at recall 0.8 was left out
+# of that point (AP 0.5417 for COCOeval's 0.5474 in tests/test_eval_map.py's case)
+RECALL_POINTS = np.linspace(0.0, 1.0, 101).tolist()
 
 
 def _backend(name: Optional[str]) -> str:
@@ -38,14 +43,16 @@ def _backend(name: Optional[str]) -> str:
 
 
 class MapMetric:
-    """mAP and per-class AP at IoU ``min_iou`` (COCO's 101-point interpolation, all areas, up to
-    ``max_detections`` per image).
+    """mAP and per-class AP at IoU ``min_iou``: pycocotools' COCOeval (101-point interpolation,
+    all areas, the ``max_detections`` best-scored detections of each class in each image), the
+    mAP being the mean AP over the classes that have ground truth.
 
     Args:
         min_iou: the IoU a detection needs with a ground-truth box of its class to count.
         box_format: ``"xyxy"`` (default), ``"xywh"`` or ``"cxcywh"``.
         backend: ``"pycocotools"`` or ``"faster_coco_eval"`` (default: the first installed).
-        max_detections: detections per image kept (by score).
+        max_detections: detections of a class kept per image, the best-scored (COCO's
+            ``maxDets``; an integer >= 1).
 
     Example::
 
@@ -61,6 +68,9 @@ class MapMetric:
             raise ValueError(f"box_format={box_format!r}: choose from xyxy, xywh, cxcywh")
         self.min_iou = float(min_iou)
         self.box_format = box_format
+        if isinstance(max_detections, bool) or not isinstance(max_detections, numbers.Integral) or max_detections < 1:
+            raise ValueError(f"max_detections={max_detections!r} must be an integer >= 1 (the detections of a "
+                             f"class kept per image; COCO's default is 100)")
         self.backend = _backend(backend)
         self.max_detections = int(max_detections)
         self.records: Dict[str, tuple] = {}
@@ -96,9 +106,12 @@ class MapMetric:
                     if key in records:
                         raise ValueError(f"image {key!r} is held by more than one rank: give each rank its own share")
                     records[key] = value
+        # COCOeval keeps maxDets[-1] detections per image and class; torchmetrics wants three
+        # limits and sorts them ([1, 10, N] put 10 last for N < 10)
+        limits = [1, min(10, self.max_detections), self.max_detections]
         metric = need.MeanAveragePrecision(box_format=self.box_format, iou_type="bbox", iou_thresholds=[self.min_iou],
-                                           max_detection_thresholds=[1, 10, self.max_detections], class_metrics=True,
-                                           backend=self.backend, sync_on_compute=False)
+                                           rec_thresholds=RECALL_POINTS, max_detection_thresholds=limits,
+                                           extended_summary=True, backend=self.backend, sync_on_compute=False)
         preds, targets = [], []
         for key in sorted(records):
             gt_boxes, gt_labels, dt_boxes, dt_labels, dt_scores = records[key]
@@ -109,15 +122,17 @@ class MapMetric:
             raise ValueError("MapMetric: no image was given")
         metric.update(preds, targets)
         result = metric.compute()
+        # COCOeval's precision table [IoU, recall point, class, area, maxDets] read at area "all"
+        # and maxDets[-1], as its summary reads it (stats[0] is fixed at maxDets 100); -1: a class
+        # without ground truth. Its classes are the labels seen, in increasing order
+        table = result["precision"][0, :, :, 0, -1].double().numpy()
         names = list(class_name)
         aps: Dict[str, Optional[float]] = {n: None for n in names}
-        classes = result["classes"].reshape(-1).tolist()
-        per_class = result["map_per_class"].reshape(-1).tolist()
-        for c, ap in zip(classes, per_class):
-            if 0 <= c < len(names):
-                aps[names[c]] = None if ap < 0 else float(ap)
-        value = float(result["map"])
-        return aps, (value if value >= 0 else float("nan"))
+        for k, c in enumerate(result["classes"].reshape(-1).tolist()):
+            if 0 <= c < len(names) and (table[:, k] > -1).all():
+                aps[names[c]] = float(table[:, k].mean())
+        held = table[table > -1]
+        return aps, (float(held.mean()) if held.size else float("nan"))
 
     def evaluate(self, gt_info: Dict[str, Any], dt_info: Dict[str, Any], class_name: Sequence[str], plot: bool = False,
                  filename: Optional[str] = None, sync: bool = True) -> Tuple[Dict[str, Optional[float]], float]:

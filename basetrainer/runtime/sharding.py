@@ -227,6 +227,19 @@ def _mixed_precision(amp: str, device: torch.device) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def _running_stat_norms(model: nn.Module) -> List[nn.Module]:
+    """The normalisation layers with running statistics (BatchNorm, SyncBatchNorm, GlobalBatchNorm,
+    InstanceNorm with ``track_running_stats``) that :func:`shard` keeps in float32 under ``amp:
+    bf16``, as FSDP1 did by default (``_module_classes_to_ignore_mixed_precision``) and FSDP2 does
+    not: with its parameters cast to bf16 beside float32 running statistics, ``batch_norm``
+    refuses to run ("expected scalar type BFloat16 but found Float"), so any BatchNorm model
+    failed at its first forward. A bf16 input beside float32 parameters is fine (autocast does
+    the same under ddp), and the output stays bf16. Each becomes an FSDP group of its own (two
+    small collectives per step each), or keeps the group it has as a block."""
+    return [m for m in model.modules() if m is not model and isinstance(m, nn.modules.batchnorm._NormBase)
+            and m.track_running_stats]
+
+
 def shard(model: nn.Module, device: torch.device, cfg: Any,
           policy: Optional[Callable[[nn.Module], bool]] = None) -> nn.Module:
     """``fully_shard`` the model's blocks and its root over all processes; the weights are rank
@@ -264,8 +277,18 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     policy_mp = _mixed_precision(amp, device)
     if policy_mp is not None:
         options["mp_policy"] = policy_mp
+    norms = _running_stat_norms(model) if policy_mp is not None else []
+    if norms:   # each a group of its own, in float32
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # the input as autocast leaves it (bf16), as BatchNorm gets it under ddp
+        in_float32 = {**options, "mp_policy": MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)}
+        for norm in norms:
+            if not any(norm is block for block in blocks):
+                fully_shard(norm, **in_float32)
     for block in blocks:
-        fully_shard(block, **options)
+        fully_shard(block, **(in_float32 if any(block is norm for norm in norms) else options))
     fully_shard(model, **options)
     model.to_empty(device=device)
     _retie_buffers(model, shared_buffers)   # to_empty made one buffer of each name

@@ -289,8 +289,6 @@ def test_wrap_choice_and_clear_errors():
         BlockTrainer(fsdp_cfg(strategy="fsdp", gpu_id=[0, 1], distributed=False))
     with pytest.raises(ValueError, match="amp: fp16.*amp: bf16"):
         BlockTrainer(fsdp_cfg(strategy="fsdp", amp="fp16"))
-    with pytest.raises(ValueError, match="sync_bn"):
-        BlockTrainer(fsdp_cfg(strategy="fsdp", sync_bn=True))
     # a full disk during a sharded save: DCP keeps each rank's error in its exception's failures
     from torch.distributed.checkpoint.api import CheckpointException
     from basetrainer.runtime import atomic

@@ -5,9 +5,9 @@ ModelEMA on resnet18 equals ddp + ModelEMA, every rank holds the same average, a
 reproduces the figure in its name, and a run killed by SIGKILL resumes exactly (on 2 processes,
 and on 1).
 
-No ``sync_bn`` here: it changes the forward (statistics of the global batch) and is refused under
-fsdp; without it each rank normalises its own share of the batch under both strategies, and the
-statistics kept are rank 0's under both."""
+The ddp/fsdp comparisons run without ``sync_bn``: each rank normalises its own share of the batch
+under both strategies, and the statistics kept are rank 0's under both. With ``sync_bn`` (global
+statistics) fsdp equals one process; with ``amp: bf16`` fsdp keeps the norms in float32."""
 import os
 import shutil
 import textwrap
@@ -167,6 +167,26 @@ def test_fsdp_bf16_trains_and_tests_a_batchnorm_model_as_ddp_does(tmp_path):
     for a, b in zip(ddp["history"], fsdp["history"]):
         assert b["test/loss"] == pytest.approx(a["test/loss"], abs=2e-2)
 
+
+def _sync_bn(rank, work):
+    return _train(rank, [("fsdp", dict(strategy="fsdp", sync_bn=True, n_train=28, batch_size=8))], work)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_with_sync_bn_equals_one_process(tmp_path):
+    # sync_bn was refused under fsdp; its statistics of the global batch make 2 ranks equal 1 process
+    # (28 samples in batches of 8: the last one 4, 2 per rank)
+    one = _train(0, [("one", dict(strategy="ddp", n_train=28, batch_size=8, distributed=False))],
+                 str(tmp_path / "one"))["one"]
+    ranks = run_distributed(_sync_bn, 2, tmp_path, str(tmp_path / "fsdp"), timeout=300)
+    fsdp = ranks[0]["fsdp"]
+    assert fsdp["sharded"]
+    assert weight_diff(one["weights"], fsdp["weights"]) < 1e-5
+    assert weight_diff(one["ema"], fsdp["ema"]) < 1e-5
+    for a, b in zip(one["history"], fsdp["history"]):
+        assert b["test/loss"] == pytest.approx(a["test/loss"], abs=1e-5)
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-5)
 
 def _odd_buffers(rank):
     """A DDP model whose buffers differ per rank: bool, float16, a transposed view, an int scalar."""

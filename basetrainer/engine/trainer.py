@@ -213,16 +213,18 @@ class EngineTrainer(Engine):
 
         DDP when a process group exists (``device_ids`` on GPU, none on CPU; ``sync_bn`` and
         ``find_unused_parameters`` from the config or keywords), DataParallel for several GPUs
-        in one process, else the bare model on ``self.device``. With ``strategy: fsdp``: the
-        blocks and the root sharded by FSDP2 (:func:`basetrainer.runtime.sharding.shard`; the
+        in one process, else the bare model on ``self.device``. With ``strategy: fsdp``
+        (``sync_bn`` too): the blocks and the root sharded by FSDP2 (:func:`basetrainer.runtime.sharding.shard`; the
         blocks: ``wrap_policy``, else ``fsdp_wrap``, else the model's repeated blocks).
         """
         gpu_id = list(kwargs.pop("device_ids", None) or (self.gpu_id if gpu_id is None else gpu_id) or [])
+        sync_bn = kwargs.pop("sync_bn", self.cfg.get("sync_bn", False))
         if self.strategy == "fsdp":   # a process group exists (checked at __init__); ranks > 0 built on meta
             if self.channels_last:
                 model = model.to(memory_format=torch.channels_last)
+            if sync_bn and comm.get_world_size() > 1:
+                model = self._sync_batchnorm(model)
             return sharding.shard(model, self.device, self.cfg, policy=self.wrap_policy)
-        sync_bn = kwargs.pop("sync_bn", self.cfg.get("sync_bn", False))
         find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
         model = model.to(self.device)
         if self.channels_last:
@@ -234,15 +236,21 @@ class EngineTrainer(Engine):
                 raise RuntimeError(f"torch.compile failed ({type(e).__name__}: {e}); set compile: false "
                                    f"to train without it") from e
         if comm.is_dist() and comm.get_world_size() > 1 and distributed is not False:
-            if sync_bn:  # torch's SyncBatchNorm needs CUDA; GlobalBatchNorm also runs on gloo/CPU
-                model = (nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.device.type == "cuda"
-                         else sync_batchnorm.convert_sync_batchnorm(model))
+            if sync_bn:
+                model = self._sync_batchnorm(model)
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                        find_unused_parameters=find_unused, **kwargs)
         if self.device.type == "cuda" and len(gpu_id) > 1:
             return nn.DataParallel(model, device_ids=gpu_id)
         return model
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """``sync_bn``: BatchNorm over the global batch (torch's SyncBatchNorm needs CUDA;
+        GlobalBatchNorm also runs on gloo/CPU)."""
+        if self.device.type == "cuda":
+            return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return sync_batchnorm.convert_sync_batchnorm(model)
 
     #: ``strategy: fsdp``: set to a function ``module -> bool`` (or define a method) to choose the
     #: modules sharded one by one (the outermost accepted ones); None: ``fsdp_wrap`` or the defaults.

@@ -140,10 +140,6 @@ def check_config(cfg: Any, device: torch.device, amp: str) -> None:
     if amp == "fp16":
         raise ValueError("amp: fp16 needs a GradScaler, which FSDP2 does not support: use amp: bf16 with "
                          "strategy: fsdp (or amp: fp16 with strategy: ddp)")
-    if cfg.get("sync_bn"):
-        raise ValueError("sync_bn: true is not supported with strategy: fsdp (BatchNorm statistics would be "
-                         "synchronised inside sharded blocks): set sync_bn: false, or use strategy: ddp, or "
-                         "replace BatchNorm by GroupNorm/LayerNorm")
     if cfg.get("compile"):
         raise ValueError("compile: true is not supported with strategy: fsdp here: set compile: false")
     if cfg.get("use_prune"):

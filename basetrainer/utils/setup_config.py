@@ -105,7 +105,7 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "channels_last": (False, "bool", "channels-last memory format for 4-D inputs and the model"),
     "compile": (False, "bool", "wrap the model with torch.compile"),
     "clip_grad_norm": (0.0, "number", "clip the gradient norm to this value (0 = off)"),
-    "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm in DDP"),
+    "sync_bn": (False, "bool", "convert BatchNorm to SyncBatchNorm under ddp and fsdp (statistics of the global batch)"),
     "find_unused_parameters": (False, "bool", "DDP option for models with unused parameters"),
     "strategy": ("ddp", "str", "how distributed processes hold the model: ddp (each the whole model) or fsdp "
                                "(parameters, gradients and optimizer state sharded; FSDP2)"),

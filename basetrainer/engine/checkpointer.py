@@ -15,6 +15,7 @@ import operator
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from basetrainer.dataloader import loader as loaders
 from basetrainer.engine.guard import NonFiniteGuard
 from basetrainer.runtime import atomic, checkpoint, comm, sharded, sharding
 from basetrainer.utils import torch_tools
@@ -149,6 +150,14 @@ class Checkpointer:
             self._saved_at = at
         comm.synchronize()
         return path or folder.last
+
+    def epoch_plan(self) -> Dict[str, Any]:
+        """What lays out the batches of the epoch in progress (``loader.epoch_plan``), for a
+        checkpoint taken inside its train phase: a resume there must find the same. ``{}``
+        elsewhere, or for a train loader not made by ``build_dataloader``."""
+        if self.phase != "train" or not self.batch_in_epoch:
+            return {}
+        return loaders.epoch_plan(self.engine.train_loader, self.epoch)
 
     def state_dict(self, rng: Optional[List[dict]] = None) -> dict:
         """Everything a resume needs (see :func:`basetrainer.runtime.checkpoint.capture`)."""

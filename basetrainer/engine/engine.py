@@ -86,18 +86,11 @@ class Engine:
     request_checkpoint = delegated("request")
     state_dict = delegated("state_dict")
     load_state_dict = delegated("load")
+    epoch_plan = delegated("epoch_plan")   # what lays out the batches of the epoch in progress
 
     def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> Optional[str]:
         """A resumable checkpoint of this point (``Checkpointer.save``); inside an accumulation window, at its end."""
         return self.checkpointer.save(path, background, in_window=not self._updated)
-
-    def epoch_plan(self) -> Dict[str, Any]:
-        """What lays out the batches of the epoch in progress (``loader.epoch_plan``), for a
-        checkpoint taken inside its train phase: a resume there must find the same. ``{}``
-        elsewhere, or for a train loader not made by ``build_dataloader``."""
-        if self.phase != "train" or not self.batch_in_epoch:
-            return {}
-        return loaders.epoch_plan(self.train_loader, self.epoch)
 
     def preempt(self, where: str) -> None:
         """Save a resumable checkpoint of this point and exit with status 128 + signal number."""
@@ -204,10 +197,14 @@ class Engine:
         update, weight, self._placeholder = self._steps.plan(batch)
         with sharding.sync_gradients(self.model, update):   # DDP no_sync / FSDP: inside a window
             with self.autocast(), placeholder_batch() if self._placeholder else contextlib.nullcontext():
-                if self._compile_checked:
+                try:
                     outputs, losses = self.run_step(data)
-                else:
-                    outputs, losses = self._first_compiled_step(data)
+                except Exception as e:   # compile's errors mostly surface at the first step
+                    if self._compile_checked:
+                        raise
+                    raise RuntimeError(f"torch.compile failed on the first step ({type(e).__name__}: {e}); "
+                                       f"set compile: false to train without it") from e
+                self._compile_checked = True
             loss = total_loss(losses)
             self._guard.watch(batch, loss, losses)
             if weight != 1.0:
@@ -295,15 +292,6 @@ class Engine:
 
     def autocast(self) -> Any:
         return precision.autocast(self.amp, self.device)
-
-    def _first_compiled_step(self, data: Any) -> Tuple[Any, Any]:
-        try:
-            result = self.run_step(data)
-        except Exception as e:
-            raise RuntimeError(f"torch.compile failed on the first step ({type(e).__name__}: {e}); "
-                               f"set compile: false to train without it") from e
-        self._compile_checked = True
-        return result
 
     @property
     def unwrapped_model(self) -> nn.Module:

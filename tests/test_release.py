@@ -127,6 +127,19 @@ def test_lower_bounds_are_the_versions_ci_installs_in_its_floor_environment():
     assert "CONSTRAINTS=.ci/floor-constraints.txt" in ci and "VENV=.venv-floor" in ci
 
 
+def test_the_floor_environment_runs_test_files_that_exist():
+    # .ci/run's floor environment runs the quick loop and FLOOR_FILES whole: a file renamed or
+    # removed would silently leave the floor versions of its packages untested
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    listed = re.search(r"^FLOOR_FILES=\(([^)]*)\)", ci, re.M)
+    assert listed, "FLOOR_FILES=(...) not found in .ci/run"
+    files = listed.group(1).split()
+    assert len(files) >= 10 and '"${FLOOR_FILES[@]}"' in ci and '-m "not slow and not distributed"' in ci
+    missing = [f for f in files if not os.path.isfile(os.path.join(ROOT, f))]
+    assert not missing, f"FLOOR_FILES in .ci/run names test files that do not exist: {missing}"
+
+
 def test_requires_python_is_the_tested_interpreter():
     assert _pyproject()["project"]["requires-python"] == ">=3.11"
     assert sys.version_info >= (3, 11)

@@ -25,7 +25,8 @@ class ModelEMA(Callback):
     tensors of the state_dict, BatchNorm statistics included). With ``evaluate=True`` the test
     phase runs on the averaged weights (they are swapped in at ``on_test_begin`` and back at
     ``on_test_end``, wherever it stands in the callback list), so every test figure is the
-    average's. The average is part of the checkpoint (``state_dict``) and is resumed.
+    average's; ``trainer.evaluate()`` too, but ``evaluate(checkpoint=...)`` tests the weights of
+    that file. The average is part of the checkpoint (``state_dict``) and is resumed.
 
     A ModelCheckpoint whose indicator is a test figure then writes the average in its weights
     files (``best_model_<epoch>_<value>.pth``, ``model_<epoch>_<value>.pth``): a file holds the
@@ -87,7 +88,8 @@ class ModelEMA(Callback):
             torch._foreach_lerp_(avg, live, 1.0 - self.decay)
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:
-        if self.evaluate and self.ema is not None:
+        # evaluate(checkpoint=...) tests that file's weights, not this run's average over them
+        if self.evaluate and self.ema is not None and not getattr(self.trainer, "evaluating_checkpoint", None):
             model = self._model()
             self._backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
             model.load_state_dict(self.ema)

@@ -57,20 +57,21 @@ def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None,
     if engine.criterion is None and _default_run_step(engine):
         raise ValueError(f"{name}.evaluate(): the default run_step needs a criterion (the loss is a test "
                          f"figure): return one from build_criterion, or override run_step")
-    if checkpoint:
-        load_checkpoint(engine, checkpoint)
+    loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
     logs: Dict[str, Any] = {}
-    saved = engine.test_loader, engine._callbacks, getattr(engine, "evaluating", False), engine.model.training
+    saved = (engine.test_loader, engine._callbacks, getattr(engine, "evaluating", False),
+             getattr(engine, "evaluating_checkpoint", None), engine.model.training)
     engine.test_loader = loader
     engine._callbacks = CallbackList(list(engine.callbacks or []) + engine.extra_callbacks(), engine)
-    engine.evaluating = True
+    # the callbacks test the file's weights then (ModelEMA does not swap its average in over them)
+    engine.evaluating, engine.evaluating_checkpoint = True, loaded
     try:
         preemption.shield_loader(loader)
         engine.dispatch("on_test_begin", logs)
         engine.run_test_epoch(engine.epoch, logs)
         engine.dispatch("on_test_end", logs)
     finally:
-        engine.test_loader, engine._callbacks, engine.evaluating, training = saved
+        engine.test_loader, engine._callbacks, engine.evaluating, engine.evaluating_checkpoint, training = saved
         engine.model.train(training)
     figures = {k: v for k, v in logs.items() if k.startswith("test/")}
     if not figures and comm.is_main_process():

@@ -83,6 +83,7 @@ class EngineTrainer(Engine):
         self.device = self._select_device(self.gpu_id, bool(cfg.distributed))
         self.strategy = sharding.strategy_of(cfg)
         self.evaluating = False  # True during evaluate() (EvalReport reports then)
+        self.evaluating_checkpoint: Optional[str] = None   # evaluate(checkpoint=): the file whose weights are tested
         sharding.check_config(cfg, self.device, self.amp)
         resume.claim_work_dir(cfg)
 

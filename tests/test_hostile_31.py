@@ -134,3 +134,73 @@ def test_evaluate_a_checkpoint_after_training_with_model_ema_evaluates_that_file
     assert abs(ema.evaluate(checkpoint=first)["test/loss"] - float(files[0].split("_")[-1][:-4])) < 1e-4
     # without checkpoint=, the test phase runs on the average, as in training
     assert ema.evaluate()["test/loss"] == pytest.approx(ema.history.last["test/loss"], abs=1e-7)
+
+
+# ----------------------------------------------------------------------------- parity: one output, several units
+class BoxAndProbability(nn.Module):
+    """A detection-style head ``[N, 5]``: four box coordinates in pixels (0 to 300) and one
+    probability, in one output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(torch.relu(self.conv(x)).flatten(1))
+        return torch.cat([torch.sigmoid(y[:, :4]) * 300, torch.sigmoid(y[:, 4:])], dim=1)
+
+
+def test_int8_judges_every_column_of_an_output_by_its_own_scale(tmp_path):
+    """int8 quantizes a tensor with one step: the probability beside pixel coordinates came out
+    0.42 off (ten times its spread, 0.044; its values 0.36 to 0.56), which was 0.029 of the
+    output's scale (62), and the export was published."""
+    pytest.importorskip("onnxruntime")
+    from basetrainer.deploy.export import export_model
+
+    torch.manual_seed(0)
+    model = BoxAndProbability().eval()
+    x = np.random.default_rng(0).standard_normal((40, 1, 8, 8)).astype(np.float32)
+    calibration = np.random.default_rng(1).standard_normal((40, 1, 8, 8)).astype(np.float32)
+    report = export_model(model, "onnx,onnx-fp16,onnx-int8", out_dir=str(tmp_path), input_size=[8, 8], check=x,
+                          calibration=calibration, runs=0, batch=5, strict=False)
+    rows = {row.format: row for row in report.rows}
+    assert (rows["onnx"].status, rows["onnx-fp16"].status) == ("ok", "ok")
+    int8 = rows["onnx-int8"]
+    assert int8.status == "FAIL" and len(int8.problems) == 1
+    assert int8.problems[0].startswith("max |Δ| 0.4") and " at [:, 4] > 0.25 x its scale " in int8.problems[0]
+    assert int8.parity["rel"] > 0.25 and int8.parity["outputs"][0]["part"] == "[:, 4]"
+    assert sorted(os.listdir(tmp_path)) == ["model.export.json", "model.export.md", "model.onnx", "model_fp16.onnx"]
+
+
+def test_slices_are_judged_along_axis_1_and_the_last_axis():
+    """The rule on planted differences: a channel of a map [N, C, H, W] and a feature of a
+    [N, anchors, 5] output (features last) are judged by their own scale under int8; fp32/fp16
+    keep the output's; slices of fewer than 8 values (a batch of 1) tell no spread; a slice of
+    zeros must stay zeros."""
+    from basetrainer.deploy.parity import BOUNDS, compare, failures
+
+    rng = np.random.default_rng(0)
+    int8 = BOUNDS["int8"]
+    maps = rng.standard_normal((6, 3, 4, 4)) * np.array([100.0, 1.0, 0.0])[None, :, None, None]
+    near = maps + rng.standard_normal(maps.shape) * np.array([2.0, 0.02, 0.0])[None, :, None, None]   # 2 % of each
+    assert failures(compare([maps], [near], part_floor=int8.part_floor), int8) == []
+    off = near.copy()
+    off[:, 1] += 1.0   # one unit: 1 % of the output's scale, the whole spread of channel 1
+    assert failures(compare([maps], [off]), int8) == []   # the output's scale alone: within
+    found = failures(compare([maps], [off], part_floor=int8.part_floor), int8)
+    assert len(found) == 1 and " at [:, 1] > 0.25 x its scale " in found[0]
+    dead = near.copy()   # channel 2 is all zeros: its scale is the floor, 1 % of the output's (0.58)
+    dead[0, 2, 0, 0] = 1e-3
+    assert failures(compare([maps], [dead], part_floor=int8.part_floor), int8) == []
+    dead[0, 2, 0, 0] = 0.5
+    found = failures(compare([maps], [dead], part_floor=int8.part_floor), int8)
+    assert len(found) == 1 and "at [:, 2] > 0.25 x its scale 0.5" in found[0]
+    anchors = np.concatenate([rng.uniform(0, 300, (4, 50, 4)), rng.uniform(0.3, 0.6, (4, 50, 1))], axis=2)
+    moved = anchors.copy()
+    moved[..., 4] += 0.3
+    found = failures(compare([anchors], [moved], part_floor=int8.part_floor), int8)
+    assert len(found) == 1 and " at [..., 4] > " in found[0]
+    assert failures(compare([anchors], [moved]), BOUNDS["fp16"]) == []    # fp16 keeps the output's scale
+    one = anchors[:1, 0]                                                   # [1, 5]: one value per column
+    assert failures(compare([one], [one + 1e-3], part_floor=int8.part_floor), int8) == []

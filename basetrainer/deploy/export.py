@@ -169,7 +169,7 @@ def _export_one(fmt: Any, job: Job, stage: Staging, row: Row, images: Any,
     staged = fmt.write(job, stage)
     engine = fmt.load(staged, threads)
     bound = BOUNDS[fmt.precision]
-    parity = compare(reference, engine(images.inputs), images.labels, scores, names)
+    parity = compare(reference, engine(images.inputs), images.labels, scores, names, bound.part_floor)
     # the export at batch N against itself one sample at a time, by the same rule, every output
     part = images.inputs[:batch]
     parts = [engine(part[i:i + 1]) for i in range(len(part))]

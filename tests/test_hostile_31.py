@@ -79,8 +79,8 @@ class GreyTrainer(trainer.EngineTrainer):
 
 
 def grey_cfg(work_dir: str, **extra) -> dict:
-    return dict(work_dir=work_dir, gpu_id=[], batch_size=8, num_epochs=3, progress=False, log_freq=1,
-                num_workers=0, seed=2020, **extra)
+    return {**dict(work_dir=work_dir, gpu_id=[], batch_size=8, num_epochs=3, progress=False, log_freq=1,
+                   num_workers=0, seed=2020), **extra}
 
 
 def run_ranks(tmp_path, world: int, body: str, timeout: int = 240) -> list:
@@ -88,17 +88,16 @@ def run_ranks(tmp_path, world: int, body: str, timeout: int = 240) -> list:
     ``grey_data`` of this file at hand) on ``world`` gloo processes on 127.0.0.1; return what each
     rank's ``main`` returned (JSON)."""
     script = tmp_path / "ranks.py"
-    script.write_text(textwrap.dedent(f"""
+    head = textwrap.dedent(f"""\
         import json, os, sys
+        import numpy as np
         import torch
         sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
         from test_hostile_31 import GreyTrainer, grey_cfg, grey_data
         from basetrainer.engine.launch import launch
         OUT = {str(tmp_path)!r}
-
-        def main(rank):
-        {textwrap.indent(textwrap.dedent(body), "    ")}
-
+    """)
+    tail = textwrap.dedent(f"""
         def worker():
             import torch.distributed as dist
             rank = dist.get_rank()
@@ -108,7 +107,8 @@ def run_ranks(tmp_path, world: int, body: str, timeout: int = 240) -> list:
 
         if __name__ == "__main__":
             launch(worker, num_gpus_per_machine={world}, dist_url="auto", distributed=True, args=())
-    """))
+    """)
+    script.write_text(head + "\n\ndef main(rank):\n" + textwrap.indent(textwrap.dedent(body), "    ") + tail)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -204,3 +204,55 @@ def test_slices_are_judged_along_axis_1_and_the_last_axis():
     assert failures(compare([anchors], [moved]), BOUNDS["fp16"]) == []    # fp16 keeps the output's scale
     one = anchors[:1, 0]                                                   # [1, 5]: one value per column
     assert failures(compare([one], [one + 1e-3], part_floor=int8.part_floor), int8) == []
+
+
+# ----------------------------------------------------------------------------- Grad-CAM of a DDP model
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchcam_on_a_ddp_model_on_the_main_process_alone(tmp_path):
+    """TorchCAM(trainer.model) of a DDP run, explained on rank 0 alone (the process that draws):
+    DDP's forward broadcasts buffers to the other ranks, so the job died (gloo: 'Received data
+    size doesn't match expected size', SIGABRT on rank 1). The maps are of the module inside,
+    the target layer named as in the wrapped model or the module; training goes on after."""
+    pytest.importorskip("torchcam")
+    results = run_ranks(tmp_path, 2, """
+        from basetrainer.runtime.modules import unwrap_model
+        from basetrainer.utils.torchcam_utils import TorchCAM, cam_grid
+        t = GreyTrainer(grey_cfg(os.path.join(OUT, "run"), num_epochs=1, distributed=True, gpu_id=[0, 1]))
+        t.run()
+        out = {}
+        if rank == 0:
+            x = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+            before = {k: v.clone() for k, v in t.model.state_dict().items()}
+            maps = {}
+            for name, model, layer in (("ddp", t.model, "module.conv2"), ("ddp, bare name", t.model, "conv2"),
+                                       ("module", unwrap_model(t.model), "conv2")):
+                with TorchCAM(model, target_layer=layer, input_shape=(1, 8, 8)) as cam:
+                    maps[name] = cam.explain(x)[0]
+            out["same_maps"] = all(np.array_equal(a, b) for m in maps.values() for a, b in zip(m, maps["module"]))
+            out["unchanged"] = all(torch.equal(v, t.model.state_dict()[k]) for k, v in before.items())
+            out["grid"] = os.path.getsize(cam_grid(t.model, x, [0, 1, 2], os.path.join(OUT, "grid.png"))) > 0
+        t.num_epochs = 2
+        t.run()
+        out["epochs"] = len(t.history)
+        return out
+    """)
+    assert results[0] == {"same_maps": True, "unchanged": True, "grid": True, "epochs": 1}
+    assert results[1] == {"epochs": 1}
+
+
+@pytest.mark.distributed
+def test_torchcam_refuses_a_sharded_model(tmp_path):
+    """Under fsdp every forward gathers from all processes: Grad-CAM on one of them would hang
+    the job. It is one clear error (before: torchcam ran the forward)."""
+    pytest.importorskip("torchcam")
+    results = run_ranks(tmp_path, 1, """
+        from basetrainer.utils.torchcam_utils import TorchCAM
+        t = GreyTrainer(grey_cfg(os.path.join(OUT, "run"), strategy="fsdp", distributed=True, gpu_id=[0]))
+        try:
+            TorchCAM(t.model, target_layer="conv2", input_shape=(1, 8, 8))
+        except ValueError as e:
+            return str(e)
+        return "no error"
+    """)
+    assert "is sharded (fully_shard)" in results[0] and "Map it unsharded" in results[0]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from basetrainer.runtime.modules import eval_mode
+from basetrainer.runtime.modules import eval_mode, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,11 @@ class TorchCAM:
     """Class-activation heatmaps of ``model`` at ``target_layer``.
 
     Args:
-        model: the classifier (its unwrapped module; hooks are put on ``target_layer``).
-        target_layer: the layer (a module or its name) whose activations are mapped; None: the
+        model: the classifier; wrappers (DataParallel, DDP, ``torch.compile``) are looked through
+            and the maps are of the module inside (a DDP forward talks to the other processes,
+            and Grad-CAM runs on one of them; hooks are put on ``target_layer``).
+        target_layer: the layer (a module or its name, in ``model`` or in the module inside
+            its wrappers) whose activations are mapped; None: the
             last layer with a spatial output (torchcam finds it with one forward of
             ``input_shape``, in eval mode).
         input_shape: ``(C, H, W)``, or ``[W, H]`` (the config's ``input_size``; 3 channels).
@@ -85,13 +88,14 @@ class TorchCAM:
         flag: kept for the original's signature (unused).
 
     Raises:
-        ValueError: an unknown ``cam_type`` (the valid ones are listed).
+        ValueError: an unknown ``cam_type`` (the valid ones are listed); a model sharded by
+            ``fully_shard`` (its forward gathers from every process).
         ImportError: torchcam missing (the pip command named).
     """
 
     def __init__(self, model: nn.Module, target_layer: Any = None, input_shape: Sequence[int] = (3, 224, 224),
                  cam_type: str = "GradCAM", flag: str = "hm") -> None:
-        self.model = model
+        self.model, target_layer = _inner(model, target_layer)
         self.flag = flag
         self.input_shape = _shape(input_shape)
         self.images: List[Any] = []
@@ -219,6 +223,28 @@ class TorchCAM:
         self.remove_hooks()
 
 
+def _inner(model: nn.Module, target_layer: Any = None) -> Tuple[nn.Module, Any]:
+    """The module inside ``model``'s wrappers, and ``target_layer`` named in it (a name given in
+    the wrapped model, ``module.layer4``, loses the wrapper's prefix).
+
+    Raises:
+        ValueError: the model is sharded by ``fully_shard``.
+    """
+    from basetrainer.runtime import sharding
+
+    inner = unwrap_model(model)
+    if sharding.is_fsdp(inner):
+        raise ValueError(f"Grad-CAM needs the whole model, and this {type(inner).__name__} is sharded (fully_shard): "
+                         f"its forward gathers from every process. Map it unsharded: build it in one process and load the "
+                         f"run's checkpoint (a get_models net: basetrainer.deploy.source.load_model("
+                         f"'<work_dir>/model/last.pth').model)")
+    if isinstance(target_layer, str) and inner is not model:
+        prefix = next((name for name, m in model.named_modules() if m is inner), "")
+        if prefix and target_layer.startswith(prefix + "."):
+            target_layer = target_layer[len(prefix) + 1:]
+    return inner, target_layer
+
+
 def _colour(featuremap: np.ndarray) -> np.ndarray:
     import matplotlib
 
@@ -255,6 +281,7 @@ def cam_grid(model: nn.Module, inputs: torch.Tensor, labels: Sequence[int], path
 
     if inputs.dim() != 4:
         raise ValueError(f"cam_grid needs image inputs [B, C, H, W]; got shape {tuple(inputs.shape)}")
+    model, target_layer = _inner(model, target_layer)   # its prediction below: the module, not DDP's forward
     h, w = inputs.shape[-2:]
     scale = scale or max(1, 160 // max(h, w))
     images = [np.asarray(Image.fromarray(to_image(t)).resize((w * scale, h * scale), Image.NEAREST)) for t in inputs]

@@ -256,3 +256,48 @@ def test_torchcam_refuses_a_sharded_model(tmp_path):
         return "no error"
     """)
     assert "is sharded (fully_shard)" in results[0] and "Map it unsharded" in results[0]
+
+
+# ----------------------------------------------------------------------------- export: what it is given
+class Reduced(nn.Module):
+    """A forward whose output has no batch axis (``how``: "scalar" or "over the batch")."""
+
+    def __init__(self, how: str, channels: int = 1) -> None:
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(channels, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).mean((2, 3))
+        return {"scalar": y.sum(), "over the batch": y.sum(0), "batch first": y}[self.how]
+
+
+def test_export_refuses_what_it_cannot_check_with_one_clear_error(tmp_path):
+    """Bad input, one error naming it before any file: an output without the batch first (a 0-d
+    output failed with numpy's 'zero-dimensional arrays cannot be concatenated'; one summed over
+    the batch with 'output has shape (3,) in the export and (48,) in the model' in every row), a
+    check folder for a model of 2 or 4 channels (torchvision's 'The size of tensor a (3) must
+    match the size of tensor b (2)', a convolution's 'expected input ... to have 4 channels'),
+    and weights='ema' for a module (ignored: the live weights were exported)."""
+    pytest.importorskip("onnxruntime")
+    from basetrainer.deploy.export import export_model
+
+    folder = tmp_path / "check"
+    from PIL import Image
+    for c in ("a", "b"):
+        (folder / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(folder / c / f"{i}.png")
+    out = str(tmp_path / "out")
+    cases = [(dict(source=Reduced("scalar")), "output 0 of Reduced has shape () for a batch of 16"),
+             (dict(source=Reduced("over the batch")), "output 0 of Reduced has shape (3,) for a batch of 16"),
+             (dict(source=Reduced("batch first", 2), check=str(folder)), "takes 2 channels"),
+             (dict(source=Reduced("batch first", 4), check=str(folder)), "takes 4 channels"),
+             (dict(source=Reduced("batch first"), weights="ema"), "weights='ema'")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            export_model(formats="onnx", out_dir=out, input_size=[8, 8], runs=0, **kwargs)
+        assert not os.path.exists(out), kwargs
+    report = export_model(Reduced("batch first", 2), "onnx", out_dir=out, input_size=[8, 8], runs=0,
+                          check=np.zeros((4, 2, 8, 8), np.float32))   # an array of the model's channels: fine
+    assert [row.status for row in report.rows] == ["ok", "ok"]

@@ -30,9 +30,15 @@ def load_images(root: Union[str, Sequence[str]], input_size: Sequence[int], limi
     """The images of the ImageFolder ``root`` (or several, with the same classes) at ``input_size`` ``[W, H]``.
 
     Raises:
-        FileNotFoundError / ValueError: ``root`` is not an image folder (the message names ``key``).
+        FileNotFoundError / ValueError: ``root`` is not an image folder (the message names ``key``);
+            ``channels`` is neither 1 (read as grayscale) nor 3 (RGB).
     """
     from torchvision import transforms
+
+    if channels not in (1, 3):
+        raise ValueError(f"the model takes {channels} channels, and the images of a folder ({key}) are read as RGB "
+                         f"(3 channels) or grayscale (1): pass {key} as an array (N, {channels}, H, W) of inputs "
+                         f"preprocessed as in training")
 
     from basetrainer.dataloader.image_folder import image_folder
 

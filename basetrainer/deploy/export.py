@@ -233,11 +233,17 @@ def _eager(model: nn.Module, x: np.ndarray, chunk: int = 64) -> List[np.ndarray]
     parts: List[List[np.ndarray]] = []
     with torch.inference_mode():
         for i in range(0, len(x), chunk):
+            n = len(x[i:i + chunk])
             out = model(torch.from_numpy(x[i:i + chunk]))
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if not all(isinstance(o, torch.Tensor) for o in outs):
                 raise ValueError(f"{type(model).__name__} returns {type(out).__name__}: export needs a model that "
                                  f"returns a tensor or a tuple of tensors")
+            for k, o in enumerate(outs):   # the exports are run and checked batch by batch, sample by sample
+                if o.dim() == 0 or o.shape[0] != n:
+                    raise ValueError(f"output {k} of {type(model).__name__} has shape {tuple(o.shape)} for a batch of "
+                                     f"{n}: export needs outputs with the batch first, [N, ...] (one row per "
+                                     f"image); return the per-image values and reduce them after the model")
             parts.append([o.float().numpy() for o in outs])
     return [np.concatenate([p[k] for p in parts], axis=0) for k in range(len(parts[0]))]
 

@@ -62,6 +62,13 @@ def unwrap(model: Any) -> nn.Module:
         return model
 
 
+def _averaging(model: nn.Module) -> bool:
+    """Whether ``model`` (inside its training wrappers) is an averaging wrapper (see :func:`unwrap`)."""
+    model = unwrap_model(model)
+    averaged = isinstance(model, torch.optim.swa_utils.AveragedModel) or "ema" in type(model).__name__.lower()
+    return averaged and isinstance(getattr(model, "module", None), nn.Module)
+
+
 def load_model(source: Union[str, nn.Module, Any], net_type: Optional[str] = None,
                num_classes: Optional[int] = None, input_size: Optional[List[int]] = None,
                pruned: Optional[str] = None, weights: str = "model") -> ModelSource:
@@ -75,7 +82,8 @@ def load_model(source: Union[str, nn.Module, Any], net_type: Optional[str] = Non
             ``num_classes`` is read from the weights otherwise). Given ones win.
         pruned: the ``pruned_model.pth`` (or its folder) whose layer shapes the weights have.
         weights: ``"model"`` or ``"ema"`` (the ModelEMA average inside a resumable checkpoint,
-            a sharded one too).
+            a sharded one too; for a module source, only with the ModelEMA callback or an
+            averaging wrapper, whose average is taken either way).
 
     Raises:
         FileNotFoundError: no such file. ValueError: the file holds no weights, the weights do
@@ -84,6 +92,10 @@ def load_model(source: Union[str, nn.Module, Any], net_type: Optional[str] = Non
     if weights not in ("model", "ema"):
         raise ValueError(f"weights={weights!r} must be 'model' or 'ema'")
     if not isinstance(source, (str, os.PathLike)):
+        if weights == "ema" and isinstance(source, nn.Module) and not _averaging(source):
+            raise ValueError(f"weights='ema' picks ModelEMA's average from a checkpoint file, and the source is a "
+                             f"{type(source).__name__} module: pass the ModelEMA callback itself (its average is "
+                             f"exported) or the run's last.pth, or weights='model'")
         model = copy.deepcopy(unwrap(source)).cpu().eval()
         return ModelSource(model, f"{type(model).__name__} module", net_type, num_classes)   # trained size unknown
     path = os.fspath(source)

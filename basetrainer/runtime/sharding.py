@@ -420,11 +420,42 @@ def _scatter_from_rank0(model: nn.Module, full: Optional[Tuple[dict, dict]], dev
 
 def _checkpoint_activations(model: nn.Module, blocks: List[nn.Module]) -> None:
     """Recompute each block's activations in the backward instead of keeping them (torch's
-    composable ``checkpoint``: parameter names stay as they are)."""
+    composable ``checkpoint``: parameter names stay as they are). The recomputation runs the
+    block's forward again in train mode, where BatchNorm updates its running statistics a second
+    time (num_batches_tracked 10 after 5 steps; resnet18's running means 1.13 from a run without
+    checkpointing): it leaves them as the forward left them (:class:`_RunningStatsKept`)."""
     from torch.distributed._composable import checkpoint
 
     for block in blocks:
-        checkpoint(block)
+        norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        if norms:
+            checkpoint(block, context_fn=lambda norms=norms: (contextlib.nullcontext(), _RunningStatsKept(norms)))
+        else:
+            checkpoint(block)
+
+
+class _RunningStatsKept:
+    """The context of a block's recomputation: its norms' running statistics (and batch counts)
+    are put back as they were before it."""
+
+    def __init__(self, norms: List[nn.Module]) -> None:
+        self.norms = norms
+        self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _stats(self) -> List[torch.Tensor]:
+        return [b for m in self.norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                if isinstance(b, torch.Tensor)]
+
+    def __enter__(self) -> "_RunningStatsKept":
+        with torch.no_grad():
+            self.saved = [(b, b.clone()) for b in self._stats()]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for live, before in self.saved:
+                live.copy_(before)
+        self.saved = []
 
 
 def mesh_of(model: nn.Module) -> Any:

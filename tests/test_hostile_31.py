@@ -357,3 +357,20 @@ def test_activation_checkpointing_moves_batchnorm_statistics_once_per_step(tmp_p
     assert plain["blocks.0.bn.num_batches_tracked"] == [5.0] == checkpointed["blocks.0.bn.num_batches_tracked"]
     for key in plain:
         assert np.allclose(plain[key], checkpointed[key], rtol=0, atol=1e-6), key
+
+
+# ----------------------------------------------------------------------------- evaluate(batch_size=)
+def test_batch_size_for_a_loader_that_has_its_own_is_an_error(tmp_path):
+    """evaluate(batch_size=) and predict(batch_size=) are the batch of a data set they load; given
+    with a DataLoader (or, for evaluate, with no loader: the test loader) it was ignored without a
+    word. A data set takes it (and bad values are named)."""
+    t = GreyTrainer(grey_cfg(str(tmp_path / "run")))
+    data = grey_data(9, 3)
+    for call in (lambda: t.evaluate(batch_size=5), lambda: t.evaluate(loader=t.test_loader, batch_size=5),
+                 lambda: t.predict(t.test_loader, batch_size=5)):
+        with pytest.raises(ValueError, match=r"batch_size=5 is the batch of a data set .* has its own"):
+            call()
+    assert t.evaluate(loader=data, batch_size=5) == t.evaluate(loader=data, batch_size=9)
+    assert t.predict(data, batch_size=4).shape == (9, 3)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        t.evaluate(loader=data, batch_size=0)

@@ -15,6 +15,8 @@ def evaluate_loader(engine: Any, loader: Any, batch_size: Optional[int] = None) 
     shard; ``batch_size`` or the config's), or (None) the trainer's test loader; checked to
     count each sample once over the processes (:func:`~basetrainer.dataloader.loader.check_test_shards`)."""
     what = "evaluate(loader)"
+    if batch_size is not None and (loader is None or isinstance(loader, DataLoader)):
+        raise _own_batch("evaluate", batch_size, "the trainer's test loader" if loader is None else "this DataLoader")
     if loader is None:
         loader, what = engine.test_loader, f"{type(engine).__name__}.evaluate(): the test loader of build_test_loader"
         if loader is None:
@@ -43,8 +45,16 @@ def predict_loader(engine: Any, loader: Any, transform: Optional[Callable],
         return _loader_of(engine, files, batch_size, "predict"), files.relative, True
     if not isinstance(loader, DataLoader):
         return _loader_of(engine, _as_dataset(loader, "predict(loader)"), batch_size, "predict"), None, True
+    if batch_size is not None:
+        raise _own_batch("predict", batch_size, "this DataLoader")
     check_in_order(loader)
     return loader, None, False
+
+
+def _own_batch(what: str, batch_size: Any, loader: str) -> ValueError:
+    return ValueError(f"{what}(batch_size={batch_size!r}): batch_size={batch_size!r} is the batch of a data set "
+                      f"{what}() loads, and {loader} has its own: pass the data set itself (its test loader is "
+                      f"built with that batch), or leave batch_size out")
 
 
 def _as_dataset(value: Any, what: str) -> Dataset:
@@ -58,10 +68,10 @@ def _loader_of(engine: Any, dataset: Dataset, batch_size: Optional[int], what: s
     """A test loader (every rank a shard, no padding) of ``dataset``, with the config's global
     batch size and workers."""
     cfg = engine.cfg if engine.cfg is not None and hasattr(engine.cfg, "get") else {}
-    size = batch_size or cfg.get("batch_size")
-    if not size:
+    size = cfg.get("batch_size") if batch_size is None else batch_size
+    if size is None:
         raise ValueError(f"{what}(): give batch_size= (the global batch) to load a data set")
-    return loaders.build_dataloader(dataset, int(size), int(cfg.get("num_workers") or 0), phase="test",
+    return loaders.build_dataloader(dataset, size, int(cfg.get("num_workers") or 0), phase="test",
                                     shuffle=False, pin_memory=engine.device.type == "cuda", seed=engine.seed)
 
 

@@ -282,7 +282,8 @@ class EngineTrainer(Engine):
                 pad) in several (default: the test loader of ``build_test_loader``).
             checkpoint: load these weights first: a weights file (best or per-epoch), a resumable
                 ``last.pth``, or ``"auto"`` (the newest loadable checkpoint of this run's folder).
-            batch_size: the global batch for a data set (default: ``cfg.batch_size``).
+            batch_size: the global batch for a data set (default: ``cfg.batch_size``); an error
+                with a DataLoader or with no loader (they have their own).
 
         Raises:
             ValueError: no test data (no ``build_test_loader`` loader and none given), a loader
@@ -310,7 +311,8 @@ class EngineTrainer(Engine):
                 its path is returned. None: the outputs are returned (on every rank).
             checkpoint: load these weights first (see :meth:`evaluate`).
             transform: for a folder (default: the test data set's ``transform``).
-            batch_size: the global batch for a data set or folder (default: ``cfg.batch_size``).
+            batch_size: the global batch for a data set or folder (default: ``cfg.batch_size``);
+                an error with a DataLoader (it has its own).
 
         Returns:
             The outputs in the structure ``predict_step`` gives (CPU tensors, one row per

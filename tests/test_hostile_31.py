@@ -374,3 +374,59 @@ def test_batch_size_for_a_loader_that_has_its_own_is_an_error(tmp_path):
     assert t.predict(data, batch_size=4).shape == (9, 3)
     with pytest.raises(ValueError, match="batch_size=0"):
         t.evaluate(loader=data, batch_size=0)
+
+
+# ----------------------------------------------------------------------------- export --weights ema with two averages
+class ZooTrainer(GreyTrainer):
+    """A get_models net (shufflenet_v2_x0_5, 16x16 RGB) on 16 samples, so a checkpoint names
+    its model; the ModelEMA callbacks of ``cfg.emas`` ((decay, evaluate), in list order)."""
+
+    def build_train_loader(self, cfg, **kwargs):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 3, (16,), generator=g))
+        cfg.num_classes = 3
+        return self.build_dataloader(data, cfg.batch_size, 0, phase="train")
+
+    def build_test_loader(self, cfg, **kwargs):
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(6, 3, 16, 16, generator=g), torch.randint(0, 3, (6,), generator=g))
+        return self.build_dataloader(data, cfg.batch_size, 0, phase="test", shuffle=False)
+
+    def build_model(self, cfg, **kwargs):
+        from basetrainer.models import build_models
+
+        torch.manual_seed(cfg.seed)
+        model = build_models.get_models(cfg.net_type, cfg.input_size, cfg.num_classes)
+        return self.build_model_parallel(model, cfg.gpu_id, distributed=cfg.distributed)
+
+    def build_callbacks(self, cfg, **kwargs):
+        emas = [ModelEMA(decay=decay, evaluate=evaluate) for decay, evaluate in cfg.emas]
+        return [losses_recorder.LossesRecorder(indicator="loss")] + emas + [
+            model_checkpoint.ModelCheckpoint(model_dir=os.path.join(cfg.work_dir, "model"), indicator="loss",
+                                             async_save=False)]
+
+
+@pytest.mark.slow
+def test_weights_ema_of_a_run_with_two_averages_is_the_evaluated_one(tmp_path):
+    """With two ModelEMA callbacks (one evaluates, as allowed), weights='ema' took the first in
+    the list: ModelEMA(0.9, evaluate=False)'s average, not the one the test figures and the best
+    file hold. Now: the one that evaluated; with none evaluating, an error naming the decays."""
+    from basetrainer.deploy.source import load_model
+    from basetrainer.utils.torch_tools import load_state_dict
+
+    work = str(tmp_path / "run")
+    cfg = grey_cfg(work, net_type="shufflenet_v2_x0_5", input_size=[16, 16], num_epochs=1,
+                   emas=[(0.9, False), (0.5, True)])
+    ZooTrainer(cfg).run()
+    best = next(f for f in os.listdir(os.path.join(work, "model")) if f.startswith("best_model_"))
+    averaged = load_state_dict(os.path.join(work, "model", best))
+    exported = load_model(os.path.join(work, "model", "last.pth"), weights="ema").model.state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in averaged.items())
+    live = load_model(os.path.join(work, "model", "last.pth")).model.state_dict()
+    assert any(not torch.equal(live[k], v) for k, v in averaged.items())
+
+    work = str(tmp_path / "none")
+    ZooTrainer(grey_cfg(work, net_type="shufflenet_v2_x0_5", input_size=[16, 16], num_epochs=1,
+                        emas=[(0.9, False), (0.5, False)])).run()
+    with pytest.raises(ValueError, match=r"2 ModelEMA averages \(decay 0.9, 0.5\)"):
+        load_model(os.path.join(work, "model", "last.pth"), weights="ema")

@@ -120,7 +120,9 @@ class ModelEMA(Callback):
         return out
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"decay": self.decay, "ema": self.ema or {}}
+        # evaluate: which average the test figures (and the weights files) are of, for an export
+        # of a checkpoint holding several (weights="ema")
+        return {"decay": self.decay, "evaluate": self.evaluate, "ema": self.ema or {}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.ema = dict(state["ema"]) if state.get("ema") else None

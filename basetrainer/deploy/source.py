@@ -164,12 +164,20 @@ def _weights(obj: Any, path: str, which: str) -> Dict[str, torch.Tensor]:
 
 
 def _ema_state(obj: Any, path: str) -> Dict[str, Any]:
+    """The ModelEMA average in the loaded checkpoint ``obj``: the only one, or, of several, the
+    one that evaluated (the test figures and the weights files are of it)."""
     states = obj.get("callbacks", {}) if isinstance(obj, dict) else {}
-    for state in states.values():
-        if isinstance(state, dict) and "decay" in state and state.get("ema"):
-            return dict(state["ema"])
-    raise ValueError(f"{path!r} holds no ModelEMA average (weights='ema' needs a resumable last.pth of a run "
-                     f"trained with the ModelEMA callback); use weights='model'")
+    found = [s for s in states.values() if isinstance(s, dict) and "decay" in s and s.get("ema")]
+    if not found:
+        raise ValueError(f"{path!r} holds no ModelEMA average (weights='ema' needs a resumable last.pth of a run "
+                         f"trained with the ModelEMA callback); use weights='model'")
+    evaluated = [s for s in found if s.get("evaluate")]
+    if len(found) > 1 and len(evaluated) != 1:
+        decays = ", ".join(str(s["decay"]) for s in found)
+        raise ValueError(f"{path!r} holds {len(found)} ModelEMA averages (decay {decays}), none saved as the one "
+                         f"that evaluated: weights='ema' cannot tell which to export. Export a weights file of the run "
+                         f"(best_model_*.pth holds the weights its figure was tested on), or use weights='model'")
+    return dict((evaluated or found)[0]["ema"])
 
 
 def _build(net_type: str, size: List[int], num_classes: int) -> nn.Module:

@@ -430,3 +430,66 @@ def test_weights_ema_of_a_run_with_two_averages_is_the_evaluated_one(tmp_path):
                         emas=[(0.9, False), (0.5, False)])).run()
     with pytest.raises(ValueError, match=r"2 ModelEMA averages \(decay 0.9, 0.5\)"):
         load_model(os.path.join(work, "model", "last.pth"), weights="ema")
+
+
+# ----------------------------------------------------------------------------- a small disk that is not full
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (root only; skipped elsewhere), unmounted after."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+class Column(nn.Module):
+    """An output [N] (one value per image), which NCNN gives back as [N, 1]; ``width`` sets
+    the weights' size (a Linear of width x 64 floats)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 64, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).flatten(1)).sum(1)
+
+
+def test_a_failure_on_a_small_disk_with_room_left_is_not_called_a_full_disk(small_disk):
+    """On a disk of 1 MiB, every conversion that failed or disagreed was called a DiskFullError
+    ('no space left ... writing the onnx-int8 files filled the disk', 1008 KB free before it and
+    990 KB after, for 14 KB of files): the rule was 'less than 1 MiB free after it'. Now the
+    conversion must also have used at least half of what was free; a real full disk still is one."""
+    pytest.importorskip("onnxruntime")
+    from basetrainer.deploy.export import export_model
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).standard_normal((40, 1, 8, 8)).astype(np.float32)
+    calibration = np.random.default_rng(1).standard_normal((40, 1, 8, 8)).astype(np.float32)
+    formats = "onnx,onnx-int8" + (",ncnn" if _installed("pnnx", "ncnn") else "")
+    report = export_model(BoxAndProbability().eval(), "onnx,onnx-int8", out_dir=str(small_disk / "a"),
+                          input_size=[8, 8], check=x, calibration=calibration, runs=0, batch=5, strict=False)
+    rows = {row.format: row for row in report.rows}
+    assert rows["onnx"].status == "ok"
+    assert rows["onnx-int8"].status == "FAIL" and rows["onnx-int8"].problems[0].startswith("max |Δ| 0.4")
+    if "ncnn" in formats:   # the error path: NCNN's [N, 1] for an output [N] is a ParityError, not the disk
+        report = export_model(Column().eval(), "onnx,ncnn", out_dir=str(small_disk / "b"), input_size=[8, 8],
+                              check=x, runs=0, batch=5, strict=False)
+        rows = {row.format: row for row in report.rows}
+        assert rows["onnx"].status == "ok"
+        assert rows["ncnn"].status == "error" and rows["ncnn"].problems[0].startswith("ParityError: "), rows["ncnn"]
+    big = Column(width=2048).eval()   # 2 MiB of weights on a disk of 1 MiB: full
+    report = export_model(big, "onnx", out_dir=str(small_disk / "c"), input_size=[8, 8], check=x, runs=0,
+                          strict=False, report_files=False)
+    assert report.rows[1].status == "error" and report.rows[1].problems[0].startswith("DiskFullError: ")
+    assert os.listdir(small_disk / "c") == []   # nothing left behind, no staging folder
+
+
+def _installed(*modules: str) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in modules)

@@ -12,8 +12,11 @@ A full disk, one way for every converter: each conversion writes into a folder o
 the staging folder (:meth:`Staging.attempt`). When it fails (an exception, or files that do not
 load or disagree with the model), the disk is judged before anything of it is removed: an
 ENOSPC/EDQUOT behind the error, "No space left on device" in a converter's output, or less than
-:data:`SPACE_MARGIN` free on the disk (a converter that writes a short file and reports success,
-as MNN's does, or fails with a stream error, as OpenVINO's does, leaves the disk full behind it).
+:data:`SPACE_MARGIN` free on the disk with no room left at all (:data:`FULL_LEFT`), less than the
+weights, or less than half of what was free when the conversion started (a converter that writes
+a short file and reports success, as MNN's does, or fails with a stream error, as OpenVINO's
+does, leaves the disk full behind it; one that fails for another reason on a small disk leaves
+its room).
 Then the failure is one :class:`~basetrainer.runtime.atomic.DiskFullError` naming the output
 folder. Either way the conversion's folder is removed, so the space it took is free again for
 the next format. Nothing that can abort the process writes to the disk here: the converters
@@ -37,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 _STAGING = re.compile(r"^\.export-tmp-(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
 
-SPACE_MARGIN = 1 << 20   # bytes: a conversion that failed with less than this free ran out of space
+SPACE_MARGIN = 1 << 20   # bytes: a conversion that failed with less than this free may have run out of space
+FULL_LEFT = 64 << 10     # bytes: what a writer that ran out of space leaves free (a few blocks), at most
 
 
 class Staging:
@@ -100,14 +104,22 @@ class Staging:
         ``error`` (or, without one, wrote files that load but disagree with the model), when
         the disk is why: an ENOSPC/EDQUOT behind ``error``, "No space left on device" in its
         text (a converter's output), a short write (torch's words for it) with less free now
-        than the weights take, or less than :data:`SPACE_MARGIN` free now. None when the disk
-        is not why; ``error`` itself when it already is one."""
+        than the weights take, or less than :data:`SPACE_MARGIN` free now with no room left
+        (:data:`FULL_LEFT`), less than the weights, or less than half of what was free when this
+        conversion started. None when the disk is not why;
+        ``error`` itself when it already is one."""
         if isinstance(error, atomic.DiskFullError):
             return error
         now = free_bytes(self.folder)
         text = _text(error) if error is not None else ""
         cause = atomic.space_error(error) if error is not None else None
-        full = (cause is not None or "No space left on device" in text or (now is not None and now < SPACE_MARGIN)
+        # filled: under SPACE_MARGIN free now, and no room left at all (a writer that ran out
+        # leaves a few blocks), or less than the weights, or this conversion took at least half of
+        # what was free when it started. A failure for another reason on a small disk with room
+        # left is that failure: 990 KB free after 14 KB of int8 files that disagreed is no full disk
+        filled = now is not None and now < SPACE_MARGIN and (
+            now < FULL_LEFT or now < self.needed or self.before is None or now < self.before / 2)
+        full = (cause is not None or "No space left on device" in text or filled
                 # a short write without an errno (torch's writers), whose partial file its writer
                 # removed again: then the disk holds less than the weights
                 or (any(s in text for s in _SHORT_WRITE) and now is not None and now < max(self.needed, SPACE_MARGIN)))

@@ -493,3 +493,29 @@ def _installed(*modules: str) -> bool:
     import importlib.util
 
     return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+# ----------------------------------------------------------------------------- MapMetric: malformed records
+def test_map_metric_refuses_boxes_scores_and_labels_it_cannot_count():
+    """A detection box with a NaN coordinate matched its ground truth (AP 1.0), so did a NaN
+    score, a label 1.7 was class 1, and an infinite ground-truth box gave AP nan: each is now an
+    error naming the image and the record. Zero-area boxes stay valid (COCO's IoU with them is 0)."""
+    pytest.importorskip("pycocotools")
+    pytest.importorskip("torchmetrics")
+    from basetrainer.metric.map_tools import MapMetric
+
+    nan, inf = float("nan"), float("inf")
+    gt = {"a.jpg": {"boxes": [[0, 0, 10, 10]], "labels": [1]}}
+    good = {"a.jpg": {"boxes": [[0, 0, 10, 10]], "labels": [1], "scores": [0.9]}}
+    assert MapMetric().evaluate(gt, good, ["x", "y"])[1] == pytest.approx(1.0)
+    cases = [(gt, {"a.jpg": {**good["a.jpg"], "boxes": [[0, 0, nan, 10]]}}, r"dt_info\['a.jpg'\]: box 0 .*nan"),
+             (gt, {"a.jpg": {**good["a.jpg"], "scores": [nan]}}, r"dt_info\['a.jpg'\]: score 0 is nan"),
+             (gt, {"a.jpg": {**good["a.jpg"], "labels": [1.7]}}, r"dt_info of 'a.jpg': 1.7 is not a class index"),
+             ({"a.jpg": {"boxes": [[0, 0, inf, 10]], "labels": [1]}}, good, r"gt_info\['a.jpg'\]: box 0 .*inf")]
+    for truth, detections, message in cases:
+        with pytest.raises(ValueError, match=message):
+            MapMetric().evaluate(truth, detections, ["x", "y"])
+    as_tensors = {"a.jpg": {**good["a.jpg"], "labels": list(torch.tensor([1]))}}   # 0-d tensors are indices
+    assert MapMetric().evaluate(gt, as_tensors, ["x", "y"])[1] == pytest.approx(1.0)
+    zero = {"a.jpg": {"boxes": [[5, 5, 5, 5]], "labels": [1], "scores": [0.9]}}
+    assert MapMetric().evaluate(gt, zero, ["x", "y"])[1] == 0.0

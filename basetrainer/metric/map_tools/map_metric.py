@@ -13,6 +13,7 @@ mAP, 0.793 against 0.856, in tests/test_eval_map.py's case).
 """
 import importlib.util
 import logging
+import math
 import numbers
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -174,7 +175,14 @@ def _index(label: Any, names: List[str], key: str, what: str) -> int:
         if label not in names:
             raise ValueError(f"{what} of {key!r}: class {label!r} is not in class_name {names}")
         return names.index(label)
-    value = int(label)
+    try:   # an int, a numpy or 0-d tensor integer, or a float that is one (1.0); not 1.7, nan, True
+        number = float(label)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(label, bool) or not math.isfinite(number) or number != int(number):
+        raise ValueError(f"{what} of {key!r}: {label!r} is not a class index (an integer in 0..{len(names) - 1}) "
+                         f"nor a name of class_name {names}")
+    value = int(number)
     if not 0 <= value < len(names):
         raise ValueError(f"{what} of {key!r}: class index {value} is outside class_name's {len(names)} classes")
     return value
@@ -189,4 +197,11 @@ def _arrays(entry: Dict[str, Any], names: List[str], key: str, what: str, scored
     scores = np.asarray(entry.get("scores", []), dtype=np.float32)
     if scored and len(scores) != len(boxes):
         raise ValueError(f"{what}[{key!r}]: {len(boxes)} detections but {len(scores)} scores: give a score per box")
+    # COCO's IoU and ranking take NaN and infinity without a word (a NaN box matched its ground truth)
+    for name, values in (("box", boxes), ("score", scores.reshape(-1, 1))):
+        bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
+        if bad.size:
+            i = int(bad[0])
+            shown = values[i].tolist() if name == "box" else float(values[i, 0])
+            raise ValueError(f"{what}[{key!r}]: {name} {i} is {shown}: boxes and scores must be finite numbers")
     return boxes, labels, scores

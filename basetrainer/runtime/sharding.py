@@ -427,7 +427,8 @@ def _checkpoint_activations(model: nn.Module, blocks: List[nn.Module]) -> None:
     from torch.distributed._composable import checkpoint
 
     for block in blocks:
-        norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        norms = [m for m in block.modules()   # BatchNorm, SyncBatchNorm, InstanceNorm(track_running_stats=True)
+                 if getattr(m, "track_running_stats", False) and isinstance(getattr(m, "running_mean", None), torch.Tensor)]
         if norms:
             checkpoint(block, context_fn=lambda norms=norms: (contextlib.nullcontext(), _RunningStatsKept(norms)))
         else:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 from conftest import ROOT
@@ -185,3 +186,22 @@ def test_quant_out_of_range_is_refused(tmp_path):
         check_quant(3, "X")
     with pytest.raises(ValueError, match=r"MNNEngine has no int8 mode.*ONNXEngine\(quant=2\)"):
         check_quant(2, "MNNEngine", supported=(0, 1))
+
+
+def test_onnx_without_simplify_needs_no_onnxslim(monkeypatch, tmp_path):
+    """onnxslim only simplifies: a machine without it (the GPU machine's Python) exports ONNX with
+    simplify=False, and with simplify=True the error names onnxslim and its pip command."""
+    from basetrainer.deploy.export import export_model
+    from basetrainer.deploy.runtimes import MissingRuntimeError
+
+    monkeypatch.setitem(sys.modules, "onnxslim", None)     # import onnxslim raises ImportError
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2)).eval()
+    check = np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    with pytest.raises(MissingRuntimeError, match=r"onnx: onnxslim \(pip install"):
+        export_model(model, "onnx", out_dir=str(tmp_path / "slim"), check=check, input_size=[8, 8], runs=0)
+    assert not (tmp_path / "slim").exists()
+    report = export_model(model, "onnx", out_dir=str(tmp_path / "plain"), check=check, input_size=[8, 8], runs=0,
+                           simplify=False)
+    rows = {r.format: r for r in report.rows}
+    assert rows["onnx"].status == "ok" and rows["onnx"].parity["rel"] < 1e-4

@@ -93,7 +93,7 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         ExportFailed: a format could not be converted (``.report`` attached).
     """
     chosen = parse_formats(formats)
-    check_installed(chosen)
+    check_installed(chosen, simplify)
     if any(f.name not in HARDWARE and "onnx" in f.modules for f in chosen) and pick_exporter(exporter, opset) == "dynamo":
         require("onnxscript")
     inputs.check_counts(batch=batch, runs=runs, warmup=warmup, calibration_images=calibration_images,

@@ -174,12 +174,16 @@ def parse_formats(formats: object) -> List[Format]:
     return [FORMATS[n] for n in dict.fromkeys(names)]
 
 
-def check_installed(formats: Sequence[Format]) -> None:
-    """Raise one :class:`MissingRuntimeError` naming every runtime the formats need and lack."""
-    needed = [m for f in formats if f.name not in HARDWARE for m in f.modules]
+def check_installed(formats: Sequence[Format], simplify: bool = True) -> None:
+    """Raise one :class:`MissingRuntimeError` naming every runtime the formats need and lack
+    (onnxslim only to ``simplify``)."""
+    def needs(f: Format) -> List[str]:
+        return [m for m in f.modules if simplify or m != "onnxslim"]
+
+    needed = [m for f in formats if f.name not in HARDWARE for m in needs(f)]
     absent = missing(list(dict.fromkeys(needed)))
     if absent:
-        by_format = {f.name: [m for m in f.modules if m in absent] for f in formats}
+        by_format = {f.name: [m for m in needs(f) if m in absent] for f in formats}
         lines = [f"{name}: {', '.join(mods)} ({'; '.join(pip_command(m) for m in mods)})"
                  for name, mods in by_format.items() if mods]
         raise MissingRuntimeError("runtimes missing for the formats asked for: " + " | ".join(lines))

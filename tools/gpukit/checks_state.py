@@ -100,20 +100,13 @@ class ResnetTrainer(ImageTrainer):
 
 
 def _export(ckpt: str, out_dir: str) -> Tuple[str, str, Any]:
-    """The ONNX file of ``ckpt``: by ``deploy.export_model`` (checked against eager PyTorch), or,
-    where it refuses for a package this machine lacks (the GPU machine has onnx and onnxruntime
-    but not onnxslim, which the onnx format requires), by ``write_onnx`` with torch's
-    TorchScript exporter (onnx only) from the checkpoint loaded by ``deploy.source``."""
+    """The ONNX file of ``ckpt`` by ``deploy.export_model`` (checked against eager PyTorch),
+    unsimplified and by the TorchScript exporter: the GPU machine's Python has onnx and onnxruntime
+    but neither onnxslim nor onnxscript (the dynamo exporter's)."""
     from basetrainer.deploy import export as deploy_export
-    from basetrainer.deploy import onnx_format, source
-    from basetrainer.deploy.runtimes import MissingRuntimeError
 
-    try:
-        report = deploy_export.export_model(ckpt, "onnx", out_dir=out_dir, runs=0, report_files=False, strict=False)
-    except MissingRuntimeError as e:
-        model = source.load_model(ckpt).model
-        path = onnx_format.write_onnx(model, os.path.join(out_dir, "last.onnx"), (1, 3, 32, 32), exporter="torchscript")
-        return path, f"write_onnx(torchscript); export_model refused: {str(e)[:160]}", None
+    report = deploy_export.export_model(ckpt, "onnx", out_dir=out_dir, runs=0, report_files=False, strict=False,
+                                        simplify=False, exporter="torchscript")
     rows = {r.format: r for r in report.rows}
     assert report.ok, f"export failed: {[(r.format, r.status, r.problems) for r in report.failed]}"
     path = next(f for f in rows["onnx"].files if f.endswith(".onnx"))
@@ -124,7 +117,7 @@ def _export(ckpt: str, out_dir: str) -> Tuple[str, str, Any]:
 def export_trained_checkpoint(ctx: Context) -> Dict[str, Any]:
     """A resnet18 trained on the device, its ``last.pth`` exported to ONNX by
     ``basetrainer.deploy.export_model`` (which checks the export against eager PyTorch on the
-    CPU; see :func:`_export` for a machine without onnxslim); then ONNX Runtime with its CUDA provider when the installed onnxruntime has it (else the
+    CPU); then ONNX Runtime with its CUDA provider when the installed onnxruntime has it (else the
     CPU provider) agrees with the model on the device within 1e-3 (TF32 off)."""
     try:
         import onnx  # noqa: F401

@@ -1,0 +1,256 @@
+"""The promises checked on every generated config (:mod:`combos`), and the runs they need.
+
+Invariants, each failure named by its number:
+
+1. **equals one process**: the final weights, the EMA average, every logged figure and
+   ``predict()`` equal the one-process run of the same config (fp32 within :data:`FP32`; bf16
+   autocast within :data:`BF16`, see there);
+2. **resume equals uninterrupted**: SIGKILL mid-epoch, then ``resume: auto``, ends with the
+   uninterrupted run's weights, EMA and history (same world size: within :data:`RESUMED`);
+3. **weights files reproduce their names**: every ``best_model_<e>_<v>.pth`` / ``model_<e>_<v>.pth``,
+   evaluated in one process, gives ``v`` (to the 4 decimals of the name);
+4. **evaluate() and predict()**: ``evaluate()`` after the run returns the last epoch's test
+   figures; ``predict()`` returns one process's outputs in dataset order (invariant 1's bound);
+5. **export**: the newest checkpoint exports to ONNX and agrees with eager under the export's
+   parity rule.
+
+A refused config (:data:`combos.REFUSED`) must be refused on every rank, the message naming the key.
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from combos import HERE, ROOT, Combo, ComboData, ComboTrainer, config_of, train
+
+#: fp32: DDP/FSDP and one process differ only in the order of the gradient sums
+FP32 = 1e-5
+#: bf16 autocast rounds each matmul's inputs to 8 significant bits, and where a batch is split
+#: decides which products are rounded together; measured over this suite's configs (see
+#: test_combos' report) the largest weight difference is below a tenth of this
+BF16 = 2e-2
+RESUMED = 1e-6
+NAMED = re.compile(r"^(?:best_model|model)_(\d{3})_(-?\d+\.\d{4})\.pth$")
+
+
+def tolerance(combo: Combo) -> float:
+    return BF16 if combo.precision == "bf16" else FP32
+
+
+# ---------------------------------------------------------------------------------- runs
+def job(combos: Sequence[Combo], root: str, stage: str, seed: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``combos`` (one world size) as one launch()ed job: each rank runs them one after the other."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, os.path.join(HERE, "combos.py"), "--seed", str(seed), "--root", root, "--stage", stage,
+           "--ranks", ",".join(c.cid for c in combos)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+
+
+def result_of(root: str, combo: Combo, stage: str, rank: int = 0) -> Optional[Dict[str, Any]]:
+    path = os.path.join(root, combo.cid, f"{stage}-rank{rank}.pt")
+    return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+
+
+def run_group(combos: Sequence[Combo], root: str, seed: int) -> Dict[str, str]:
+    """Run ``combos`` (one world size) as few jobs as failures allow: a config that fails ends
+    its job, is recorded, and the job is started again with the configs after it."""
+    errors: Dict[str, str] = {}
+    todo = list(combos)
+    while todo:
+        done = job(todo, root, "run", seed)
+        left = []
+        for i, combo in enumerate(todo):
+            result = result_of(root, combo, "run")
+            if result is None:
+                if done.returncode == 0:
+                    errors[combo.cid] = f"job ended 0 without a result:\n{done.stderr[-3000:]}"
+                else:
+                    left = todo[i:]
+                break
+            if "error" in result:
+                errors[combo.cid] = result["error"]
+                left = todo[i + 1:]
+                break
+        else:
+            left = []
+        if left and left[0].cid not in errors and result_of(root, left[0], "run") is None and done.returncode != 0:
+            errors[left[0].cid] = f"job failed (exit {done.returncode}) before a result:\n{done.stderr[-3000:]}"
+            left = left[1:]
+        todo = left
+    return errors
+
+
+def run_killed(combo: Combo, root: str, seed: int) -> Optional[str]:
+    """SIGKILL mid-epoch (rank 0, after step KILL_AT), then ``resume: auto``: None, or what went wrong."""
+    killed = job([combo], root, "kill", seed)
+    if killed.returncode == 0 or result_of(root, combo, "kill") is not None:
+        return f"the run to kill was not killed (exit {killed.returncode}):\n{killed.stderr[-3000:]}"
+    resumed = job([combo], root, "resume", seed)
+    if resumed.returncode != 0:
+        return f"resume: auto after SIGKILL failed (exit {resumed.returncode}):\n{resumed.stderr[-3000:]}"
+    return None
+
+
+def run_all(combos: Sequence[Combo], root: str, seed: int) -> Dict[str, Any]:
+    """Every run the invariants need: the one-process references (in this process), the
+    multi-process configs grouped by world size, the kills and resumes. Returns timings and
+    errors by config."""
+    times: Dict[str, float] = {}
+    errors: Dict[str, str] = {}
+    start = time.perf_counter()
+    for combo in combos:
+        if combo.refusal():
+            continue
+        folder = os.path.join(root, combo.cid)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            torch.save(train(combo.reference(), os.path.join(folder, "ref")), os.path.join(folder, "ref-rank0.pt"))
+        except Exception:
+            import traceback
+
+            errors[combo.cid] = "the one-process reference failed:\n" + traceback.format_exc()
+    times["references"] = time.perf_counter() - start
+    for world in sorted({c.world for c in combos if c.world > 1}):
+        start = time.perf_counter()
+        errors.update(run_group([c for c in combos if c.world == world], root, seed))
+        times[f"world {world}"] = time.perf_counter() - start
+    start = time.perf_counter()
+    for combo in combos:
+        if combo.resume == "kill" and combo.cid not in errors:
+            problem = run_killed(combo, root, seed)
+            if problem:
+                errors[combo.cid] = problem
+    times["kill and resume"] = time.perf_counter() - start
+    return {"times": times, "errors": errors}
+
+
+# ---------------------------------------------------------------------------------- invariants
+def _diff(a: Any, b: Any) -> float:
+    """The largest absolute difference of two nested structures of tensors (inf on a mismatch)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return math.inf
+        return max([_diff(a[k], b[k]) for k in a] or [0.0])
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return math.inf
+        return max([_diff(x, y) for x, y in zip(a, b)] or [0.0])
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape:
+            return math.inf
+        if not a.numel():
+            return 0.0
+        d = float((a.double() - b.double()).abs().max())
+        return math.inf if d != d else d
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(float(a) - float(b))
+    return 0.0 if a == b else math.inf
+
+
+def _history_diff(a: List[Dict[str, float]], b: List[Dict[str, float]]) -> float:
+    keys = [{k for k in e if k != "epoch_time" and not k.endswith("_time")} for e in a]
+    return _diff([{k: e[k] for k in ks} for e, ks in zip(a, keys)],
+                 [{k: e.get(k, math.nan) for k in ks} for e, ks in zip(b, keys)]) if len(a) == len(b) else math.inf
+
+
+def _indicator(combo: Combo) -> str:
+    return "test/loss" if combo.callbacks == "minimal" else "test/Accuracy"
+
+
+def check_files(combo: Combo, work: str, scratch: str) -> List[str]:
+    """Invariant 3: every weights file, evaluated in one process, gives the figure in its name."""
+    model_dir = os.path.join(work, "model")
+    named = [f for f in sorted(os.listdir(model_dir)) if NAMED.match(f)] if os.path.isdir(model_dir) else []
+    if not named:
+        return [f"3 (weights files): no best_model_*/model_* file in {model_dir}"]
+    found = []
+    plain = Combo(**{**combo.reference().levels(), "ema": False, "resume": "none", "workers": 0}, cid=combo.cid)
+    for name in named:
+        trainer = ComboTrainer(config_of(plain, os.path.join(scratch, name)), plain, callbacks="none")
+        figures = trainer.evaluate(checkpoint=os.path.join(model_dir, name))
+        value, got = float(NAMED.match(name).group(2)), float(figures[_indicator(combo)])
+        if abs(got - value) > 5e-5 + (tolerance(combo) if combo.precision == "bf16" else 1e-6):
+            found.append(f"3 (weights files): {name} evaluates to {_indicator(combo)} {got:.6f}, its name says {value}")
+    return found
+
+
+def check_export(combo: Combo, work: str, scratch: str) -> List[str]:
+    """Invariant 5: the newest checkpoint exports to ONNX and agrees with eager."""
+    from basetrainer.deploy.export import export_model
+
+    plain = Combo(**{**combo.reference().levels(), "ema": False, "resume": "none", "workers": 0}, cid=combo.cid)
+    trainer = ComboTrainer(config_of(plain, os.path.join(scratch, "export-src")), plain, callbacks="none")
+    trainer.evaluate(checkpoint=os.path.join(work, "model", "last.pth"))
+    inputs = ComboData(plain, "test").x.numpy()
+    try:
+        export_model(trainer.unwrapped_model, "onnx", out_dir=os.path.join(scratch, "export"),
+                     input_size=list(inputs.shape[2:][::-1]) if inputs.ndim == 4 else None, check=inputs, runs=0,
+                     report_files=False, output_names=("logits", "value") if combo.model == "twoout" else ("output",))
+    except Exception as e:
+        return [f"5 (export): {type(e).__name__}: {str(e)[:1500]}"]
+    return []
+
+
+def check(combo: Combo, root: str, errors: Dict[str, str]) -> Tuple[List[str], Dict[str, float]]:
+    """Every invariant on ``combo``'s runs under ``root`` (made by :func:`run_all`): the failures,
+    and the measured differences."""
+    folder = os.path.join(root, combo.cid)
+    if combo.cid in errors:
+        return [f"the run failed: {errors[combo.cid]}"], {}
+    if combo.refusal():
+        messages = [result_of(root, combo, "run", r) for r in range(combo.world)]
+        word = combo.refusal()
+        bad = [m for m in messages if not m or not m.get("refused") or word not in m["refused"]]
+        return ([f"refusal: {combo.describe()} must be refused on every rank naming {word!r}; got {messages}"]
+                if bad else []), {}
+    ref = result_of(root, combo, "ref")
+    run = ref if combo.world == 1 else result_of(root, combo, "run")
+    tol, failures, measured = tolerance(combo), [], {}
+    # 1: equals one process
+    if combo.world > 1:
+        for name in ("weights", "ema", "predict"):
+            measured[name] = d = _diff(ref[name], run[name]) if ref[name] is not None else 0.0
+            if not d <= tol:
+                failures.append(f"1 (equals one process): {name} differ by {d:.3g} > {tol:g}")
+        measured["history"] = d = _history_diff(ref["history"], run["history"])
+        if not d <= tol:
+            failures.append(f"1 (equals one process): logged figures differ by {d:.3g} > {tol:g}:\n"
+                            f"  one process {ref['history']}\n  {combo.strategy} {run['history']}")
+        for r in range(1, combo.world):   # every rank ends with the same figures
+            other = result_of(root, combo, "run", r)
+            if _history_diff(run["history"], other["history"]) > 0:
+                failures.append(f"1 (equals one process): rank {r}'s figures differ from rank 0's")
+    # 2: resume equals uninterrupted
+    if combo.resume == "kill":
+        resumed = result_of(root, combo, "resume")
+        for name in ("weights", "ema"):
+            measured[f"resumed {name}"] = d = _diff(run[name], resumed[name]) if run[name] is not None else 0.0
+            if not d <= RESUMED:
+                failures.append(f"2 (resume equals uninterrupted): {name} differ by {d:.3g} > {RESUMED:g}")
+        tail = run["history"][-len(resumed["history"]):]
+        measured["resumed history"] = d = _history_diff(tail, resumed["history"])
+        if not d <= RESUMED:
+            failures.append(f"2 (resume equals uninterrupted): figures differ by {d:.3g}:\n"
+                            f"  uninterrupted {tail}\n  resumed {resumed['history']}")
+    # 4: evaluate() returns the last test figures
+    last = {k: v for k, v in run["history"][-1].items() if k.startswith("test/")}
+    measured["evaluate"] = d = _diff(last, {k: run["evaluate"].get(k, math.nan) for k in last}) if last else math.inf
+    if not d <= 1e-6:
+        failures.append(f"4 (evaluate): evaluate() gave {run['evaluate']}, the run's last test figures {last}")
+    # 3 and 5: the files
+    work = os.path.join(folder, "ref" if combo.world == 1 else "run")
+    scratch = os.path.join(folder, "scratch")
+    failures += check_files(combo, work, scratch)
+    failures += check_export(combo, work, scratch)
+    return failures, measured
+
+
+def check_one(combo: Combo, root: str, seed: int = 0) -> List[str]:
+    """All runs and invariants of one config (the rerun command)."""
+    state = run_all([combo], root, seed)
+    return check(combo, root, state["errors"])[0]

@@ -89,19 +89,19 @@ def write_ncnn(source: Union[nn.Module, str], param_file: str, bin_file: str, in
                fp16: bool = False) -> List[str]:
     """Convert a PyTorch model (traced) or an ONNX file to NCNN's ``.param`` and ``.bin`` with pnnx.
 
-    ``input_shape`` is ``(N, C, H, W)``; NCNN runs one sample at a time, so the batch is 1. pnnx
+    ``input_shape`` is ``(N, C, H, W)`` (or ``N`` and other sizes); NCNN runs one sample at a time, so the batch is 1. pnnx
     works in a folder beside ``param_file``, removed when it succeeds; when it fails the folder
     is left to the staging folder around it (:mod:`.files`), which judges the disk first.
     """
     binary = pnnx_binary()
-    n, c, h, w = (int(v) for v in input_shape)
+    sizes = [int(v) for v in input_shape[1:]]
     work = tempfile.mkdtemp(prefix="pnnx-", dir=os.path.dirname(os.path.abspath(param_file)))
     if isinstance(source, nn.Module):
         model_file = os.path.join(work, "model.pt")
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch.jit.trace is deprecated; pnnx reads TorchScript
             try:
-                traced = torch.jit.trace(source, torch.randn(1, c, h, w))
+                traced = torch.jit.trace(source, torch.randn(1, *sizes))
             except Exception as e:
                 raise ExportError(f"tracing {type(source).__name__} for pnnx failed ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''}); try the ONNX route "
@@ -118,7 +118,7 @@ def write_ncnn(source: Union[nn.Module, str], param_file: str, bin_file: str, in
         model_file = os.path.join(work, "model.onnx")   # pnnx writes <name>.pnnxsim.onnx beside its input
         shutil.copyfile(source, model_file)
     side = {k: os.path.join(work, f"side.{k}") for k in ("pnnxparam", "pnnxbin", "pnnxpy", "pnnxonnx", "ncnnpy")}
-    command = [binary, model_file, f"inputshape=[1,{c},{h},{w}]f32", f"fp16={int(bool(fp16))}",
+    command = [binary, model_file, f"inputshape=[1,{','.join(map(str, sizes))}]f32", f"fp16={int(bool(fp16))}",
                f"ncnnparam={os.path.abspath(param_file)}", f"ncnnbin={os.path.abspath(bin_file)}"]
     command += [f"{k}={v}" for k, v in side.items()]
     output = _run(command, "pnnx", cwd=work)

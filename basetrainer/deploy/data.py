@@ -64,5 +64,4 @@ def load_images(root: Union[str, Sequence[str]], input_size: Sequence[int], limi
 def random_images(shape: Sequence[int], count: int = 16, seed: int = 0) -> Images:
     """Normal random inputs, for a check when no images are given (no labels)."""
     rng = np.random.default_rng(seed)
-    _, c, h, w = shape
-    return Images(rng.standard_normal((count, c, h, w)).astype(np.float32), None, [], "random inputs")
+    return Images(rng.standard_normal((count, *shape[1:])).astype(np.float32), None, [], "random inputs")

@@ -53,7 +53,8 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                  runs: int = 20, warmup: int = 3, threads: Optional[int] = None, name: Optional[str] = None,
                  strict: bool = True, dynamic: bool = True, input_names: Sequence[str] = ("input",),
                  output_names: Sequence[str] = ("output",), report_files: bool = True,
-                 class_outputs: Optional[Sequence[int]] = None, channels: Optional[int] = None) -> ExportReport:
+                 class_outputs: Optional[Sequence[int]] = None, channels: Optional[int] = None,
+                 input_shape: Optional[Sequence[int]] = None) -> ExportReport:
     """Export ``source`` to ``formats`` in ``out_dir``, checked on ``check``, and return the report.
 
     Args:
@@ -86,6 +87,9 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         channels: the image's channels (default: found by probing the forward pass: those with
             which the first layer the image reaches gets the channels it takes; see
             :mod:`.inputs`). A value with which it does not is an error.
+        input_shape: the shape of one input without the batch axis, for a model whose input is
+            not an image (``[16]``: an MLP on 16 features); default: a check array's that is not
+            ``(N, C, H, W)``. Given, ``input_size`` and ``channels`` do not apply.
 
     Raises:
         ValueError, FileNotFoundError, MissingRuntimeError: bad input, before any file is written.
@@ -99,10 +103,14 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
     inputs.check_counts(batch=batch, runs=runs, warmup=warmup, calibration_images=calibration_images,
                         threads=threads, check_limit=check_limit)
     src = load_model(source, net_type, num_classes, list(input_size) if input_size else None, pruned, weights)
-    size = inputs.input_size(input_size, src.input_size)
     inputs.check_one_input(src.model)
-    channels, guessed = inputs.channels_of(src.model, size, channels)
-    shape = (1, channels, size[1], size[0])
+    input_shape = inputs.sample_shape(input_shape, check, input_size, channels)
+    if input_shape is None:   # an image (N, C, H, W)
+        size = inputs.input_size(input_size, src.input_size)
+        channels, guessed = inputs.channels_of(src.model, size, channels)
+        shape: Tuple[int, ...] = (1, channels, size[1], size[0])
+    else:
+        size, guessed, shape = None, False, (1, *input_shape)
     inputs.check_forward(src.model, shape, src.input_size, guessed)
     images = _images(check, shape, check_limit, mean, std)
     reference = _eager(src.model, images.inputs)
@@ -142,7 +150,7 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
         if out["nonfinite_reference"]:
             report.notes.append(f"the model's output {out['name']} holds {out['nonfinite_reference']} NaN or infinite "
                                 f"values on the check inputs: the exports must give the same there")
-    if src.input_size and list(src.input_size) != list(size):
+    if size and src.input_size and list(src.input_size) != list(size):
         report.notes.append(f"exported at {size[0]}x{size[1]}; the run trained at {src.input_size[0]}x{src.input_size[1]}")
     unwritten = None
     if report_files:
@@ -206,11 +214,14 @@ def _images(check: Any, shape: Sequence[int], limit: Optional[int], mean: Sequen
     if isinstance(check, (str, os.PathLike)) or (isinstance(check, (list, tuple)) and check
                                                   and all(isinstance(c, (str, os.PathLike)) for c in check)):
         roots = os.fspath(check) if isinstance(check, (str, os.PathLike)) else [os.fspath(c) for c in check]
+        if len(shape) != 4:
+            raise ValueError(f"check={roots!r} is a folder of images, and the model's input is {tuple(shape[1:])} "
+                             f"(input_shape): pass the check inputs as an array (N, {', '.join(map(str, shape[1:]))})")
         return image_data.load_images(roots, [shape[3], shape[2]], limit, mean, std, shape[1])
     array = check.detach().cpu().numpy() if isinstance(check, torch.Tensor) else np.asarray(check, dtype=np.float32)
-    if array.ndim != 4 or tuple(array.shape[1:]) != tuple(shape[1:]):
-        raise ValueError(f"check images of shape {array.shape} do not fit the model's input (N, {shape[1]}, "
-                         f"{shape[2]}, {shape[3]})")
+    if array.ndim != len(shape) or tuple(array.shape[1:]) != tuple(shape[1:]):
+        raise ValueError(f"check inputs of shape {array.shape} do not fit the model's input "
+                         f"(N, {', '.join(map(str, shape[1:]))})")
     return image_data.Images(np.ascontiguousarray(array[:limit], dtype=np.float32), None, [], "given inputs")
 
 

@@ -1,4 +1,5 @@
-"""What an export feeds the model: one image input ``(N, C, H, W)``, checked before any file is written.
+"""What an export feeds the model: one image input ``(N, C, H, W)`` (or one input of the shape the
+user gives, :func:`sample_shape`), checked before any file is written.
 
 - One input: a ``forward`` that needs more than the image is refused (:func:`check_one_input`).
 - The channels ``C``: those with which the layer the image reaches first in a forward pass (a
@@ -128,6 +129,28 @@ def check_one_input(model: nn.Module) -> None:
                          f"the image alone and gives the other inputs their values")
 
 
+def sample_shape(given: Optional[Sequence[int]], check: Any, input_size: Optional[Sequence[int]],
+                 channels: Optional[int]) -> Optional[Tuple[int, ...]]:
+    """The shape of one input that is not an image (no batch axis): ``given``, else that of a
+    check array (or tensor) that is not ``(N, C, H, W)``; None for an image.
+
+    Raises:
+        ValueError: not positive integers, or given beside ``input_size``/``channels`` (images').
+    """
+    if given is None and isinstance(check, (np.ndarray, torch.Tensor)) and np.ndim(check) not in (0, 4):
+        given = tuple(check.shape[1:])
+    if given is None:
+        return None
+    dims = list(given) if isinstance(given, (list, tuple, torch.Size)) else [given]
+    if not dims or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in dims):
+        raise ValueError(f"input_shape={given!r} must be the positive sizes of one input without the batch axis "
+                         f"(e.g. [16] for 16 features)")
+    if input_size or channels:
+        raise ValueError(f"input_shape={list(dims)} is one input of any shape; input_size={input_size!r} and "
+                         f"channels={channels!r} describe an image: give one or the other")
+    return tuple(int(v) for v in dims)
+
+
 def input_size(given: Optional[Sequence[int]], trained: Optional[Sequence[int]]) -> List[int]:
     """``[W, H]``: ``given``, else the size the run trained at.
 
@@ -144,8 +167,9 @@ def input_size(given: Optional[Sequence[int]], trained: Optional[Sequence[int]])
 
 def check_forward(model: nn.Module, shape: Sequence[int], trained: Optional[Sequence[int]],
                   guessed: bool = False) -> None:
-    """Run ``model`` on a batch of 2 inputs of ``shape`` ``(N, C, H, W)``; a failure is one error
-    that says what to pass (the size it trained at, or the channels when they were guessed).
+    """Run ``model`` on a batch of 2 inputs of ``shape`` (``(N, C, H, W)`` or a given input shape); a
+    failure is one error that says what to pass (the size it trained at, the channels when they
+    were guessed, the input shape).
 
     Raises:
         ValueError: the forward pass fails.
@@ -155,6 +179,9 @@ def check_forward(model: nn.Module, shape: Sequence[int], trained: Optional[Sequ
             model(torch.zeros(2, *shape[1:]))
     except Exception as e:
         failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if len(shape) != 4:
+            raise ValueError(f"the model cannot take inputs of shape {tuple(shape[1:])} (input_shape): its forward "
+                             f"pass fails with {failure}") from None
         what = f"inputs of {shape[3]}x{shape[2]} (W x H) with {shape[1]} channel(s)"
         if guessed:
             raise ValueError(f"the model cannot take {what}: its forward pass fails with {failure}. "

@@ -47,7 +47,8 @@ def pick_exporter(exporter: str, opset: Optional[int]) -> str:
 def write_onnx(model: nn.Module, path: str, input_shape: Sequence[int], input_names: Sequence[str] = ("input",),
                output_names: Sequence[str] = ("output",), dynamic: bool = True, opset: Optional[int] = None,
                exporter: str = "auto", simplify: bool = False) -> str:
-    """Export ``model`` (eval mode, CPU) for inputs of ``input_shape`` ``(N, C, H, W)`` to ``path``.
+    """Export ``model`` (eval mode, CPU) for inputs of ``input_shape`` (``(N, C, H, W)``, or ``N`` and
+    any other sizes) to ``path``.
 
     Raises:
         ExportError: the exporter failed (the message says which and what to try).
@@ -57,9 +58,9 @@ def write_onnx(model: nn.Module, path: str, input_shape: Sequence[int], input_na
     kind = pick_exporter(exporter, opset)
     if kind == "dynamo":
         require("onnxscript")
-    n, c, h, w = (int(v) for v in input_shape)
+    n, *sizes = (int(v) for v in input_shape)
     # a batch of 2 in the example input: torch.export specialises a dimension of size 1
-    example = torch.randn(2 if dynamic else n, c, h, w)
+    example = torch.randn(2 if dynamic else n, *sizes)
     names, outs = list(input_names), list(output_names)
     kwargs: dict = dict(input_names=names, output_names=outs, verbose=False)
     if kind == "dynamo":
@@ -140,8 +141,8 @@ def write_int8(src: str, dst: str, calibration: np.ndarray, batch: int = 16) -> 
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     data = np.ascontiguousarray(calibration, dtype=np.float32)
-    if data.ndim != 4 or len(data) == 0:
-        raise ValueError(f"int8 calibration needs a batch of images (N, C, H, W), got shape {data.shape}")
+    if data.ndim < 2 or len(data) == 0:
+        raise ValueError(f"int8 calibration needs a batch of inputs ((N, C, H, W) images), got shape {data.shape}")
     proto = onnx.load(src)
     name = input_shapes(proto)[0][0]
     # the first layer (it reads the image) and the classifier (it writes the logits) stay fp32: the
@@ -170,6 +171,10 @@ def write_int8(src: str, dst: str, calibration: np.ndarray, batch: int = 16) -> 
         raise ExportError(f"ONNX Runtime's int8 quantization failed ({type(e).__name__}: {_first_line(e)})") from e
     finally:
         root.setLevel(level)
+    if not any(n.op_type == "QuantizeLinear" for n in onnx.load(dst).graph.node):
+        raise ExportError(f"int8 quantized no layer of the model: the layers it keeps in fp32 (the first, "
+                          f"{keep_fp32[:1]}, and the classifier, {keep_fp32[-1:]}) are all it has, so the file would "
+                          f"be fp32: export it as onnx")
     return dst
 
 

@@ -28,15 +28,16 @@ def check_quant(quant: Any, engine: str, supported: Sequence[int] = (0, 1, 2)) -
 
 
 def as_batch(inputs: Any) -> np.ndarray:
-    """``inputs`` as a C-contiguous float32 numpy array of 4 dimensions."""
+    """``inputs`` as a C-contiguous float32 numpy array, batch first: ``(N, C, H, W)`` images, or
+    ``(N, ...)`` for a model exported with another input shape."""
     if hasattr(inputs, "detach") and hasattr(inputs, "cpu"):   # a torch tensor
         inputs = inputs.detach().cpu().float().numpy()
     if not isinstance(inputs, np.ndarray):
         raise TypeError(f"inputs must be a numpy array or a torch tensor of shape (N, C, H, W), "
                         f"got {type(inputs).__name__}")
-    if inputs.ndim != 4:
-        raise ValueError(f"inputs of shape {tuple(inputs.shape)}: expected (N, C, H, W); for one image "
-                         f"add the batch axis (x[None])")
+    if inputs.ndim < 2:
+        raise ValueError(f"inputs of shape {tuple(inputs.shape)}: expected a batch, (N, C, H, W) for images; "
+                         f"for one sample add the batch axis (x[None])")
     if inputs.shape[0] == 0:
         raise ValueError("inputs hold no sample (batch of 0)")
     return np.ascontiguousarray(inputs, dtype=np.float32)
@@ -48,8 +49,8 @@ class InferenceEngine:
     Attributes:
         quant: the precision asked for (0 fp32, 1 fp16, 2 int8).
         dynamic: the model takes any batch size (``False``: the samples are fed one by one).
-        input_shape: ``(C, H, W)`` the model takes, where the model file says (``None`` entries
-            where it does not).
+        input_shape: ``(C, H, W)`` (or the sizes of one input of another shape) the model takes,
+            where the model file says (``None`` entries where it does not).
     """
 
     name = "engine"
@@ -74,10 +75,16 @@ class InferenceEngine:
 
     def _check_shape(self, batch: np.ndarray) -> None:
         want = self.input_shape
-        if want and any(w not in (None, -1) and w != g for w, g in zip(want, batch.shape[1:])):
+        if want and len(want) == batch.ndim and all(w in (None, -1) or w == g for w, g in zip(want, batch.shape)):
+            axes = "(N, C, H, W)" if len(want) == 3 else f"(N, {', '.join('?' if w in (None, -1) else str(w) for w in want)})"
+            raise ValueError(f"{self.name}: inputs of shape {tuple(batch.shape)}: expected {axes}, a batch; for one "
+                             f"sample add the batch axis (x[None])")
+        if want and (len(want) != batch.ndim - 1
+                     or any(w not in (None, -1) and w != g for w, g in zip(want, batch.shape[1:]))):
             shown = tuple("?" if w in (None, -1) else w for w in want)
+            fix = "resize the images to the size it was exported at" if len(want) == 3 else "give inputs of that shape"
             raise ValueError(f"{self.name}: inputs of shape {tuple(batch.shape)} do not fit the model, which takes "
-                             f"(N, {', '.join(map(str, shown))}); resize the images to the size it was exported at")
+                             f"(N, {', '.join(map(str, shown))}); {fix}")
 
     def _run(self, batch: np.ndarray) -> List[np.ndarray]:   # pragma: no cover - every engine has one
         raise NotImplementedError(f"{type(self).__name__} must implement _run")

@@ -62,7 +62,7 @@ class MNNEngine(InferenceEngine):
             self.inp_names, self.out_names, shape = self.get_node_names(model_file)
             self.model = mnn.nn.load_module_from_file(model_file, self.inp_names, self.out_names,
                                                       shape_mutable=self.dynamic, runtime_manager=runtime)
-        self.input_shape = tuple(shape[1:]) if len(shape) == 4 else None
+        self.input_shape = tuple(shape[1:]) if len(shape) >= 2 else None
         self._mnn = mnn
         logger.info("MNNEngine: %s on %s, %s, inputs %s -> outputs %s", model_file, self.device,
                     "fp32" if self.quant == 0 else "fp16", self.inp_names, self.out_names)

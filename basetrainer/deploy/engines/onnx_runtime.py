@@ -85,7 +85,7 @@ class ONNXEngine(InferenceEngine):
         self.out_names = [o.name for o in self.onnx_session.get_outputs()]
         self._input_type = np.float16 if inputs[0].type == "tensor(float16)" else np.float32
         shape = list(inputs[0].shape)
-        self.input_shape = tuple(d if isinstance(d, int) else None for d in shape[1:]) if len(shape) == 4 else None
+        self.input_shape = tuple(d if isinstance(d, int) else None for d in shape[1:]) if len(shape) >= 2 else None
         if isinstance(shape[0] if shape else None, int) and shape[0] == 1:
             self.dynamic = False   # exported with a fixed batch of 1: feed the samples in turn
         logger.info("ONNXEngine: %s on %s, %s, inputs %s -> outputs %s", model_file, self.device[0],

@@ -26,20 +26,63 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from combos import HERE, ROOT, Combo, ComboData, ComboTrainer, config_of, train
+from combos import HERE, ROOT, SIZES, Combo, ComboData, ComboTrainer, config_of, train
 
 #: fp32: DDP/FSDP and one process differ only in the order of the gradient sums
 FP32 = 1e-5
-#: bf16 autocast rounds each matmul's inputs to 8 significant bits, and where a batch is split
-#: decides which products are rounded together; measured over this suite's configs (see
-#: test_combos' report) the largest weight difference is below a tenth of this
-BF16 = 2e-2
+#: bf16 autocast rounds each matmul's inputs and outputs to 8 significant bits (one step is 2**-8
+#: to 2**-7 of a value), and how a batch is split over the ranks decides which products are
+#: rounded together, so the fp32 bound cannot hold. Weights, losses and outputs are held to two
+#: bf16 steps of their largest value (at least 1). Measured on this suite (2026-11-27, seed 0,
+#: 2 epochs, lr 0.05, momentum 0.9): weights within 9.8e-4, losses 5e-4, outputs one bf16 step
+#: (0.031 at logits near 8). Every level of every factor also meets fp32 in some config (the set
+#: is pairwise), where the bound is FP32: that is where a wrong sum shows.
+BF16 = 2.0 ** -6
+#: an accuracy is a count: under bf16 a sample whose two best scores lie closer than the
+#: rounding flips, so a bf16 accuracy may differ by this many samples
+BF16_FLIPS = 2
 RESUMED = 1e-6
 NAMED = re.compile(r"^(?:best_model|model)_(\d{3})_(-?\d+\.\d{4})\.pth$")
 
 
 def tolerance(combo: Combo) -> float:
     return BF16 if combo.precision == "bf16" else FP32
+
+
+def _scaled(a: Any, b: Any, combo: Combo) -> float:
+    """``_diff(a, b)`` in units of the bound: <= 1 passes (fp32: absolute; bf16: relative to the
+    size of ``a``, at least 1)."""
+    d = _diff(a, b)
+    if combo.precision != "bf16":
+        return d / FP32
+    return d / (BF16 * max(1.0, _magnitude(a)))
+
+
+def _magnitude(a: Any) -> float:
+    if isinstance(a, dict):
+        return max([_magnitude(v) for v in a.values()] or [0.0])
+    if isinstance(a, (list, tuple)):
+        return max([_magnitude(v) for v in a] or [0.0])
+    if isinstance(a, torch.Tensor):
+        return float(a.double().abs().max()) if a.numel() else 0.0
+    return abs(float(a)) if isinstance(a, (int, float)) else 0.0
+
+
+def _figures_close(a: Dict[str, float], b: Dict[str, float], combo: Combo) -> Optional[str]:
+    """None when one epoch's logged figures agree within the bound, else what differs (an
+    accuracy under bf16: at most BF16_FLIPS samples of its phase)."""
+    for key, x in a.items():
+        if key == "epoch" or key.endswith("_time"):
+            continue
+        y = b.get(key, math.nan)
+        if "Accuracy" in key and combo.precision == "bf16":
+            n = SIZES[combo.data, "train" if key.startswith("train/") else "test"]
+            ok = abs(x - y) <= BF16_FLIPS / n + 1e-9
+        else:
+            ok = _scaled(x, y, combo) <= 1.0
+        if not ok:
+            return f"{key}: {x!r} vs {y!r}"
+    return None
 
 
 # ---------------------------------------------------------------------------------- runs
@@ -174,7 +217,9 @@ def check_files(combo: Combo, work: str, scratch: str) -> List[str]:
         trainer = ComboTrainer(config_of(plain, os.path.join(scratch, name)), plain, callbacks="none")
         figures = trainer.evaluate(checkpoint=os.path.join(model_dir, name))
         value, got = float(NAMED.match(name).group(2)), float(figures[_indicator(combo)])
-        if abs(got - value) > 5e-5 + (tolerance(combo) if combo.precision == "bf16" else 1e-6):
+        name_close = abs(got - value) <= 5e-5 + 1e-6   # the name's 4 decimals
+        if not (name_close or (combo.precision == "bf16" and _figures_close({_indicator(combo): value},
+                                                                              {_indicator(combo): got}, combo) is None)):
             found.append(f"3 (weights files): {name} evaluates to {_indicator(combo)} {got:.6f}, its name says {value}")
     return found
 
@@ -215,11 +260,14 @@ def check(combo: Combo, root: str, errors: Dict[str, str]) -> Tuple[List[str], D
     if combo.world > 1:
         for name in ("weights", "ema", "predict"):
             measured[name] = d = _diff(ref[name], run[name]) if ref[name] is not None else 0.0
-            if not d <= tol:
-                failures.append(f"1 (equals one process): {name} differ by {d:.3g} > {tol:g}")
-        measured["history"] = d = _history_diff(ref["history"], run["history"])
-        if not d <= tol:
-            failures.append(f"1 (equals one process): logged figures differ by {d:.3g} > {tol:g}:\n"
+            if ref[name] is not None and not _scaled(ref[name], run[name], combo) <= 1.0:
+                failures.append(f"1 (equals one process): {name} differ by {d:.3g} (bound {tol:g}"
+                                f"{' x their size' if combo.precision == 'bf16' else ''})")
+        measured["history"] = _history_diff(ref["history"], run["history"])
+        wrong = ([_figures_close(a, b, combo) for a, b in zip(ref["history"], run["history"])]
+                 if len(ref["history"]) == len(run["history"]) else ["the number of epochs"])
+        if any(wrong):
+            failures.append(f"1 (equals one process): logged figures differ ({next(w for w in wrong if w)}):\n"
                             f"  one process {ref['history']}\n  {combo.strategy} {run['history']}")
         for r in range(1, combo.world):   # every rank ends with the same figures
             other = result_of(root, combo, "run", r)

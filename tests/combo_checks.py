@@ -4,7 +4,8 @@ Invariants, each failure named by its number:
 
 1. **equals one process**: the final weights, the EMA average, every logged figure and
    ``predict()`` equal the one-process run of the same config (fp32 within :data:`FP32`; bf16
-   autocast within :data:`BF16`, see there);
+   autocast within :data:`BF16`, see there). Not with dropout: each rank draws the masks of its
+   share of the batch from its own generator (no promise covers it; the others hold);
 2. **resume equals uninterrupted**: SIGKILL mid-epoch, then ``resume: auto``, ends with the
    uninterrupted run's weights, EMA and history (same world size: within :data:`RESUMED`);
 3. **weights files reproduce their names**: every ``best_model_<e>_<v>.pth`` / ``model_<e>_<v>.pth``,
@@ -245,8 +246,9 @@ def check(combo: Combo, root: str, errors: Dict[str, str]) -> Tuple[List[str], D
     """Every invariant on ``combo``'s runs under ``root`` (made by :func:`run_all`): the failures,
     and the measured differences."""
     folder = os.path.join(root, combo.cid)
-    if combo.cid in errors:
-        return [f"the run failed: {errors[combo.cid]}"], {}
+    if combo.cid in errors:   # every invariant needs the run: its error first, then the whole output
+        raised = re.findall(r"^(?:[\w.]+\.)?\w+(?:Error|Exception|Exit)\b.*$", errors[combo.cid], re.M)
+        return [f"the run failed ({raised[0].strip() if raised else 'see its output'}):\n{errors[combo.cid]}"], {}
     if combo.refusal():
         messages = [result_of(root, combo, "run", r) for r in range(combo.world)]
         word = combo.refusal()
@@ -257,7 +259,7 @@ def check(combo: Combo, root: str, errors: Dict[str, str]) -> Tuple[List[str], D
     run = ref if combo.world == 1 else result_of(root, combo, "run")
     tol, failures, measured = tolerance(combo), [], {}
     # 1: equals one process
-    if combo.world > 1:
+    if combo.world > 1 and not combo.dropout:
         for name in ("weights", "ema", "predict"):
             measured[name] = d = _diff(ref[name], run[name]) if ref[name] is not None else 0.0
             if ref[name] is not None and not _scaled(ref[name], run[name], combo) <= 1.0:

@@ -46,6 +46,7 @@ FACTORS: Dict[str, Tuple[Any, ...]] = {
     "compile": (False, True),
     "resume": ("none", "kill"),            # kill: SIGKILL mid-epoch, then resume: auto
     "callbacks": ("minimal", "full"),      # full: the example's set + EvalReport
+    "dropout": (False, True),              # the model draws from the process's generator while training
 }
 NAMES = tuple(FACTORS)
 
@@ -54,7 +55,8 @@ REFUSED: Dict[Tuple[Tuple[str, Any], Tuple[str, Any]], str] = {
     (("strategy", "fsdp2"), ("compile", True)): "compile",
 }
 #: what a level costs in time, so the generator takes it only where it covers more pairs
-COST = {("compile", True): 3.0, ("resume", "kill"): 1.0, ("strategy", "ddp3"): 0.5}
+COST = {("compile", True): 3.0, ("resume", "kill"): 1.0, ("strategy", "ddp3"): 0.5,
+        ("dropout", True): 1.0}   # dropout: invariant 1 does not apply there
 
 WORLD = {"one": 1, "ddp2": 2, "ddp3": 3, "fsdp2": 2}
 BATCH, EPOCHS, KILL_AT = 12, 2, (1, 3)    # global batch; epochs; SIGKILL after this (epoch, step)
@@ -77,6 +79,7 @@ class Combo:
     compile: bool = False
     resume: str = "none"
     callbacks: str = "minimal"
+    dropout: bool = False
     cid: str = ""
 
     @property
@@ -95,7 +98,7 @@ class Combo:
         return None
 
     def describe(self) -> str:
-        on = [n for n in ("clip", "ema", "compile") if getattr(self, n)]
+        on = [n for n in ("clip", "ema", "compile", "dropout") if getattr(self, n)]
         return "-".join([self.strategy, self.model, self.data, f"w{self.workers}", self.precision,
                          f"acc{self.accumulate}", self.balance, self.resume, self.callbacks] + on)
 
@@ -224,10 +227,14 @@ class TwoOutputs(nn.Module):
 def build_model(combo: Combo) -> nn.Module:
     torch.manual_seed(0)
     if combo.model == "convbn":
-        return ConvBN()
-    if combo.model == "twoout":
-        return TwoOutputs()
-    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, CLASSES))
+        model = ConvBN()
+    elif combo.model == "twoout":
+        model = TwoOutputs()
+    else:
+        model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, CLASSES))
+    if combo.dropout:   # on the input: the same place in every model
+        model = nn.Sequential(nn.Dropout(0.2), model)
+    return model
 
 
 class Kill(Callback):

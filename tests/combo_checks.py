@@ -20,6 +20,7 @@ A refused config (:data:`combos.REFUSED`) must be refused on every rank, the mes
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -92,7 +93,16 @@ def job(combos: Sequence[Combo], root: str, stage: str, seed: int, timeout: floa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, os.path.join(HERE, "combos.py"), "--seed", str(seed), "--root", root, "--stage", stage,
            "--ranks", ",".join(c.cid for c in combos)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:   # a hang fails its configs (the job's whole group is killed), not the suite
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n{stage} of {','.join(c.cid for c in combos)} hung: killed after {timeout:.0f} s"
+        return subprocess.CompletedProcess(cmd, -signal.SIGKILL, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def result_of(root: str, combo: Combo, stage: str, rank: int = 0) -> Optional[Dict[str, Any]]:

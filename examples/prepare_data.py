@@ -29,17 +29,25 @@ def prepare_digits(root: str = DEFAULT_ROOT, val_fraction: float = 0.2, seed: in
     images = (images.reshape(-1, 8, 8) * (255.0 / 16.0)).round().astype(np.uint8)
     index = np.arange(len(labels))
     train_idx, val_idx = train_test_split(index, test_size=val_fraction, random_state=seed, stratify=labels)
-    tmp = root + ".tmp"
+    # built beside root under a name of this process's own, then renamed into place whole: two
+    # processes preparing at once (two test workers, two ranks) never see each other's half-written files
+    tmp = f"{root}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     for split, idx in (("train", train_idx), ("val", val_idx)):
         for i in idx:
             folder = os.path.join(tmp, split, str(labels[i]))
             os.makedirs(folder, exist_ok=True)
             Image.fromarray(images[i], mode="L").save(os.path.join(folder, f"{i:04d}.png"))
-    shutil.rmtree(root, ignore_errors=True)
-    os.replace(tmp, root)
-    with open(done, "w") as f:
+    with open(os.path.join(tmp, ".done"), "w") as f:
         f.write(f"{len(train_idx)} train, {len(val_idx)} val\n")
+    try:
+        os.rename(tmp, root)
+    except OSError:
+        if not os.path.isfile(done):         # an unfinished folder of an older, interrupted call
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+        else:                                # another process finished first: its folder is the same
+            shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 

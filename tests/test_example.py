@@ -152,10 +152,23 @@ def test_prepare_digits(tmp_path):
     assert sum(counts["train"].values()) + sum(counts["val"].values()) == 1797
     assert min(counts["val"].values()) >= 35      # stratified: every digit about 36 times
     assert open(os.path.join(root, ".done")).read() == "1437 train, 360 val\n"
-    assert not os.path.exists(root + ".tmp")
+    assert glob.glob(root + ".tmp*") == []
 
     sample = glob.glob(os.path.join(root, "train", "3", "*.png"))[0]
     stamp = os.path.getmtime(sample)
     assert prepare_digits(root) == root                 # second call: nothing rewritten
     assert os.path.getmtime(sample) == stamp
     assert len(glob.glob(os.path.join(root, "*", "*", "*.png"))) == 1797
+
+
+def test_prepare_digits_from_three_processes_at_once(tmp_path):
+    """Test workers and ranks may prepare the data at the same moment: each gets the whole folder."""
+    root = str(tmp_path / "digits")
+    code = f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'examples')!r}); " \
+           f"from prepare_data import prepare_digits; prepare_digits({root!r})"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert len(glob.glob(os.path.join(root, "*", "*", "*.png"))) == 1797
+    assert open(os.path.join(root, ".done")).read() == "1437 train, 360 val\n"
+    assert glob.glob(root + ".tmp*") == []

@@ -480,3 +480,36 @@ def test_a_metric_the_recorder_cannot_drive_is_refused_when_built_naming_the_fix
     rec = MetricRecorder(MaxMetric(), "m", transform=lambda o, t: (o, t, t))
     with pytest.raises(TypeError, match=r"MetricRecorder 'm'.*transform returned 3 values.*MaxMetric.update\(value\)"):
         feed(rec, "test", _one_input_batches())
+
+
+# ----------------------------------------------------------------------------- torchmetrics' public API
+class _Watched(MeanAbsoluteError):
+    """Records each write of one of its private fields made from outside torch and torchmetrics."""
+
+    foreign = []
+
+    def __setattr__(self, name, value):
+        if name.startswith("_") and not name.startswith("__"):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not caller.startswith(("torch", "copy")):
+                _Watched.foreign.append((caller, name))
+        super().__setattr__(name, value)
+
+
+def test_the_recorder_drives_torchmetrics_through_its_public_api_but_one_documented_write():
+    g = torch.Generator().manual_seed(5)
+    batches = [((torch.zeros(n, 2), torch.randn(n, generator=g)), torch.randn(n, generator=g)) for n in (4, 2, 5)]
+    _Watched.foreign.clear()
+    rec = MetricRecorder(_Watched(), "MAE")
+    logs = feed(rec, "test", batches)
+    expected = float(MeanAbsoluteError()(torch.cat([o for _, o in batches]), torch.cat([i[1] for i, _ in batches])))
+    assert logs["test/MAE"] == pytest.approx(expected, rel=1e-6)
+    reduced = metric_states.reduce_states(rec.metrics["test"])
+    assert reduced[""]["count"] == 3
+    assert float(metric_states.compute_reduced(rec.metrics["test"], reduced)) == pytest.approx(expected, rel=1e-6)
+    fresh = _Watched()
+    metric_states.load_states(fresh, reduced)   # a resume: states and the update count they came with
+    assert fresh.update_count == 3 and float(fresh.compute()) == pytest.approx(expected, rel=1e-6)
+    # the one write torchmetrics gives no public way for (see metric_states._restore_update_count)
+    assert {name for _, name in _Watched.foreign} == {"_update_count"}, _Watched.foreign
+    assert {caller for caller, _ in _Watched.foreign} == {"basetrainer.metric.metric_states"}

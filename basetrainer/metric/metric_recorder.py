@@ -127,8 +127,7 @@ class MetricRecorder(Recorder):
         self._args = update_driver(metric_states.members(metric), f"MetricRecorder {indicator!r}", reads, transform)
         self.target_key, self.output_key, self.transform, self.reads = target_key, output_key, transform, reads
         self.per_class = per_class
-        for _, m in metric_states.members(metric):   # no collective inside compute()/forward()
-            m.sync_on_compute = m.dist_sync_on_step = m._to_sync = False
+        metric_states.local_only(metric)   # no collective inside compute()/forward()
         self.metrics = {"train": metric}
         super().__init__(indicator, phases)
         self.metrics["test"] = self.test
@@ -171,7 +170,7 @@ class MetricRecorder(Recorder):
         from basetrainer.metric import metric_states
 
         if not reduce or comm.get_world_size() == 1:   # the local states (one process: the whole epoch's)
-            if reduce and not any(m._update_count for _, m in metric_states.members(counts)):
+            if reduce and not any(m.update_count for _, m in metric_states.members(counts)):
                 return {}
             value = counts.compute()
         else:

@@ -213,7 +213,7 @@ def get_parser():
     parser.add_argument("--predict", default="", help="a folder of images (or an image): write the model's "
                         "predictions with the weights of --resume or --finetune; no training")
     parser.add_argument("--predict_output", default="",
-                        help="--predict's file (.csv, .npz or .pt; default <work_dir>/predict/predictions.csv)")
+                        help="--predict's file (.csv or .npz; default <work_dir>/predict/predictions.csv)")
     parser.add_argument("--mlflow_uri", default="", help="MLflow tracking URI (default sqlite:///<work_dir>/mlflow.db)")
     return parser
 

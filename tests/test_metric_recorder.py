@@ -453,14 +453,16 @@ def test_one_input_metrics_give_the_figure_torchmetrics_gives_on_the_same_values
 def test_a_metric_the_recorder_cannot_drive_is_refused_when_built_naming_the_fix():
     from torchmetrics.retrieval import RetrievalMRR
 
-    with pytest.raises(TypeError, match=r"RetrievalMRR.*update\(preds, target, indexes\).*transform="):
+    with pytest.raises(TypeError, match=r"MetricRecorder 'mrr'.*RetrievalMRR\.update\(preds.*indexes.*\) with "
+                                        r"\(outputs, targets\).*'indexes'.*transform=lambda outputs, targets"):
         MetricRecorder(RetrievalMRR(), "mrr")
     rec = MetricRecorder(RetrievalMRR(), "mrr", transform=lambda o, t: (o, t, torch.arange(len(t)) // 2))
     batch = ((torch.zeros(4, 1), torch.tensor([1, 0, 0, 1])), torch.tensor([0.9, 0.1, 0.8, 0.3]))
     assert feed(rec, "test", [batch])["test/mrr"] == pytest.approx(0.75)   # groups {0,1}: 1, {2,3}: 1/2
     with pytest.raises(ValueError, match=r"reads='preds'.*'outputs' or 'targets'"):
         MetricRecorder(MaxMetric(), "m", reads="preds")
-    with pytest.raises(ValueError, match=r"reads='targets'.*MeanAbsoluteError.*update\(preds, target\).*transform"):
+    with pytest.raises(TypeError, match=r"MeanAbsoluteError\.update\(preds.*target.*\) with \(targets\).*'target'.*"
+                                        r"transform="):
         MetricRecorder(MeanAbsoluteError(), "MAE", reads="targets")
     with pytest.raises(ValueError, match="reads=.*transform.*not both"):
         MetricRecorder(MaxMetric(), "m", reads="targets", transform=lambda o, t: o)
@@ -478,5 +480,62 @@ def test_a_metric_the_recorder_cannot_drive_is_refused_when_built_naming_the_fix
             MetricRecorder(wrapper, "w", transform=lambda o, t: (o, t))
     # a transform that returns what the update cannot take: named at the first step, not deep in torchmetrics
     rec = MetricRecorder(MaxMetric(), "m", transform=lambda o, t: (o, t, t))
-    with pytest.raises(TypeError, match=r"MetricRecorder 'm'.*transform returned 3 values.*MaxMetric.update\(value\)"):
+    with pytest.raises(TypeError, match=r"MetricRecorder 'm': MaxMetric\.update raised TypeError.*transform returned "
+                                        r"3 values.*transform=lambda outputs, targets"):
         feed(rec, "test", _one_input_batches())
+
+
+def test_the_update_gets_outputs_and_targets_unless_reads_or_transform_say_otherwise():
+    """What update gets is chosen, not guessed from its parameters: ``update(preds, target=None)``
+    got the outputs alone, since one of its two parameters had a default."""
+    class Optional(tm.Metric):
+        full_state_update = False
+
+        def __init__(self):
+            super().__init__()
+            self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+        def update(self, preds, target=None):
+            self.total += preds.sum() if target is None else (preds * target).sum()
+
+        def compute(self):
+            return self.total
+
+    batches = [((torch.zeros(2, 1), torch.tensor([2.0, 3.0])), torch.tensor([1.0, 10.0]))]
+    assert feed(MetricRecorder(Optional(), "s"), "test", batches)["test/s"] == 32.0              # (outputs, targets)
+    assert feed(MetricRecorder(Optional(), "s", reads="outputs"), "test", batches)["test/s"] == 11.0
+    assert feed(MetricRecorder(Optional(), "s", reads="targets"), "test", batches)["test/s"] == 5.0
+    assert feed(MetricRecorder(Optional(), "s", transform=lambda o, t: (o, o)), "test", batches)["test/s"] == 101.0
+
+
+# ----------------------------------------------------------------------------- torchmetrics' public API
+class _Watched(MeanAbsoluteError):
+    """Records each write of one of its private fields made from outside torch and torchmetrics."""
+
+    foreign = []
+
+    def __setattr__(self, name, value):
+        if name.startswith("_") and not name.startswith("__"):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not caller.startswith(("torch", "copy")):
+                _Watched.foreign.append((caller, name))
+        super().__setattr__(name, value)
+
+
+def test_the_recorder_drives_torchmetrics_through_its_public_api_but_one_documented_write():
+    g = torch.Generator().manual_seed(5)
+    batches = [((torch.zeros(n, 2), torch.randn(n, generator=g)), torch.randn(n, generator=g)) for n in (4, 2, 5)]
+    _Watched.foreign.clear()
+    rec = MetricRecorder(_Watched(), "MAE")
+    logs = feed(rec, "test", batches)
+    expected = float(MeanAbsoluteError()(torch.cat([o for _, o in batches]), torch.cat([i[1] for i, _ in batches])))
+    assert logs["test/MAE"] == pytest.approx(expected, rel=1e-6)
+    reduced = metric_states.reduce_states(rec.metrics["test"])
+    assert reduced[""]["count"] == 3
+    assert float(metric_states.compute_reduced(rec.metrics["test"], reduced)) == pytest.approx(expected, rel=1e-6)
+    fresh = _Watched()
+    metric_states.load_states(fresh, reduced)   # a resume: states and the update count they came with
+    assert fresh.update_count == 3 and float(fresh.compute()) == pytest.approx(expected, rel=1e-6)
+    # the one write torchmetrics gives no public way for (see metric_states._restore_update_count)
+    assert {name for _, name in _Watched.foreign} == {"_update_count"}, _Watched.foreign
+    assert {caller for caller, _ in _Watched.foreign} == {"basetrainer.metric.metric_states"}

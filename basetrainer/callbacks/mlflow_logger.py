@@ -211,15 +211,18 @@ def check_uri(uri: str, key: str) -> None:
              "postgresql://..., databricks; or leave it out for sqlite:///<work_dir>/mlflow.db")
     if not isinstance(uri, str) or not uri.strip():
         raise ValueError(f"{key}={uri!r}: a tracking URI is a non-empty string: {forms}")
-    scheme = urllib.parse.urlsplit(uri).scheme.lower()
+    parts = urllib.parse.urlsplit(uri)
+    scheme = parts.scheme.lower()
     known = (scheme in _SCHEMES or len(scheme) == 1   # a Windows drive: a local path
              or any(scheme.startswith(db) for db in _DATABASES) or scheme in _plugin_schemes())
     if not known:
         raise ValueError(f"{key}={uri!r}: MLflow has no store for the scheme {scheme!r}; use {forms}")
     try:
-        reachability.server_of(uri)
-    except ValueError as e:
-        raise ValueError(f"{key}={e}") from None
+        parts.port
+    except ValueError:
+        raise ValueError(f"{key}={uri!r}: the port is not a number in 1..65535 (write scheme://host:port)") from None
+    if scheme in ("http", "https") and not parts.hostname:
+        raise ValueError(f"{key}={uri!r} names no host (write {scheme}://host:port)")
 
 
 def _plugin_schemes() -> set:

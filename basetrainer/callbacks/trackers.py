@@ -32,7 +32,7 @@ The rules every tracker follows:
   written to disk);
 - a tracker that fails while training (store unreachable, disk full, an error in a log call)
   logs one warning and stops logging; training goes on. A server that does not answer costs
-  seconds, not minutes: its address is probed with a short timeout before the tracker's
+  seconds, not minutes: it is asked once (``HEAD /``) with a short timeout before the tracker's
   client is handed it (:mod:`basetrainer.callbacks.reachability`), and MLflow's requests are
   bounded (``timeout``) for the whole run.
 """

@@ -1,17 +1,16 @@
-"""Per-sample outputs streamed to a ``.npz``, ``.pt`` or ``.csv`` file in bounded memory.
+"""Per-sample outputs streamed to a ``.npy``, ``.npz`` or ``.csv`` file in bounded memory.
 
 A writer takes the outputs chunk by chunk, in dataset order (what
 :class:`~basetrainer.evaluation.ordered.OrderedCollector` yields), and holds about one chunk in
-memory, whatever the total:
+memory, whatever the total. Each output is spooled to a raw file beside the target while it
+comes (the row count, hence the shape, is known only at the end), and the file is put together
+at :meth:`~PredictionWriter.close` by copying the spool files in 8 MB pieces:
 
-- ``.npz``: one ``<name>.npy`` member per output (:func:`numpy.load` reads it). Each output
-  is spooled to a raw file beside the target while it comes, and the archive is put together
-  at :meth:`~PredictionWriter.close` by copying the spool files into the zip members in 8 MB
-  pieces, after a ``.npy`` header of the final shape (``numpy.lib.format``);
-- ``.pt``: the file :func:`torch.save` would write for the same structure (a tensor, or
-  tuples/lists/dicts of tensors; ``{"outputs": ..., "ids": [...]}`` with ids), put together
-  the same way: the pickle of the structure, then each tensor's bytes, aligned so that
-  ``torch.load(path, weights_only=True, mmap=True)`` maps it;
+- ``.npy``: one output, no ids: the file :func:`numpy.lib.format.open_memmap` lays out for the
+  final shape; ``numpy.load(path, mmap_mode="r")`` maps it (``torch.from_numpy`` makes it a
+  tensor);
+- ``.npz``: one ``<name>.npy`` member per output (:func:`numpy.load` reads it), each a
+  ``numpy.lib.format`` header of the final shape followed by the rows, plus ``ids.npy``;
 - ``.csv``: one row per sample, written as it comes: ``index`` (the sample's position in the
   data set), ``id`` (when given, e.g. the image file), then one column per value (``logits_0``,
   ``logits_1``, ...). Floats are written with enough digits to read back bit for bit
@@ -21,12 +20,8 @@ The file appears at its path only when complete (built under a temp name, then l
 place by the runtime's atomic writer): a failure or a kill leaves the previous file as it was.
 A full disk is a :class:`~basetrainer.runtime.atomic.DiskFullError` naming the folder.
 """
-import collections
 import errno
-import io
 import os
-import pickle
-import struct
 import zipfile
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -238,6 +233,14 @@ class _Spooled(PredictionWriter):
         return (self.rows,) + tuple(row)
 
 
+def _numpy_dtype(name: str, dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype for a torch dtype; bfloat16, which numpy lacks, is refused naming the fix."""
+    if dtype == torch.bfloat16:
+        raise TypeError(f"output {name!r} is bfloat16, which numpy has no dtype for: cast it to float32 "
+                        f"(e.g. in predict_step), or write a .csv file")
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
 class NpzWriter(_Spooled):
     """``.npz``: one ``<name>.npy`` per output, plus ``ids.npy`` when ids were given."""
 
@@ -245,9 +248,7 @@ class NpzWriter(_Spooled):
 
     def _begin(self, named: Dict[str, torch.Tensor]) -> None:
         for name, t in named.items():
-            if t.dtype == torch.bfloat16:
-                raise TypeError(f"output {name!r} is bfloat16, which numpy has no dtype for: cast it to "
-                                f"float32, or write a .pt file")
+            _numpy_dtype(name, t.dtype)
         if self.ids is not None and "ids" in named:
             raise ValueError("an output named 'ids' and ids given: rename the output")
         super()._begin(named)
@@ -256,8 +257,8 @@ class NpzWriter(_Spooled):
         self._flush()
         with zipfile.ZipFile(self.temp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
             for name, (path, _) in self.files.items():
-                dtype = torch.empty(0, dtype=next(getattr(torch, d.split(".")[-1]) for n, d, _ in self.sig
-                                                  if n == name)).numpy().dtype
+                dtype = _numpy_dtype(name, next(getattr(torch, d.split(".")[-1]) for n, d, _ in self.sig
+                                                if n == name))
                 header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
                           "shape": self._shape(name)}
                 with z.open(f"{name}.npy", "w", force_zip64=True) as member:
@@ -274,91 +275,35 @@ def fsync(f: Any) -> None:
     os.fsync(f.fileno())
 
 
-# ----------------------------------------------------------------------------- .pt
-class _Storage:
-    """Stands for a tensor's storage in the pickle (its bytes are the record ``data/<key>``)."""
+# ----------------------------------------------------------------------------- .npy
+class NpyWriter(_Spooled):
+    """``.npy``: one array (``numpy.load(path, mmap_mode="r")`` maps it). numpy lays the file out
+    (:func:`numpy.lib.format.open_memmap` writes the header of the final shape and sizes the
+    file); the spooled rows are then copied into its data region, at the memmap's ``offset``, in
+    8 MB pieces (writing through the map would keep every written page in this process' RSS)."""
 
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
+    suffix = ".npy"
 
-
-class _Tensor:
-    """Pickles as torch pickles a contiguous tensor: ``_rebuild_tensor_v2(storage, ...)``."""
-
-    def __init__(self, storage: _Storage, shape: tuple) -> None:
-        self.storage, self.shape = storage, shape
-
-    def __reduce__(self) -> Any:
-        stride, step = [], 1
-        for size in reversed(self.shape):
-            stride.append(step)
-            step *= max(size, 1)
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, tuple(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _Storage):
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
-        return None
-
-
-def _build(spec: Any, tensors: Dict[str, _Tensor]) -> Any:
-    kind = spec[0]
-    if kind == "tensor":
-        return tensors[spec[1]]
-    if kind == "dict":
-        return {k: _build(s, tensors) for k, s in spec[1]}
-    items = [_build(s, tensors) for s in spec[1]]
-    return tuple(items) if kind == "tuple" else items
-
-
-class TorchWriter(_Spooled):
-    """``.pt``: what ``torch.save`` writes for the outputs' structure (``{"outputs": ...,
-    "ids": [...]}`` with ids); loads with ``weights_only=True`` and ``mmap=True``."""
-
-    suffix = ".pt"
-    ALIGN = 64
+    def _begin(self, named: Dict[str, torch.Tensor]) -> None:
+        name = os.path.basename(self.path)
+        if len(named) != 1 or self.ids is not None:
+            what = f"outputs {list(named)}" if len(named) != 1 else "ids (file names)"
+            raise ValueError(f"output={name!r}: a .npy file holds one array, and these are {what}: "
+                             f"write a .npz (one array per output, plus ids) or a .csv file")
+        _numpy_dtype(next(iter(named)), next(iter(named.values())).dtype)
+        super()._begin(named)
 
     def _finish(self) -> None:
         self._flush()
-        tensors, storages = {}, []
-        for k, (name, dtype, row) in enumerate(self.sig):
-            dt = getattr(torch, dtype.split(".")[-1])
-            shape = (self.rows,) + tuple(row)
-            numel = int(np.prod(shape, dtype=np.int64))
-            storage = _Storage(str(k), dt, numel)
-            storages.append((storage, self.files[name][0]))
-            tensors[name] = _Tensor(storage, shape)
-        obj = _build(self.spec, tensors)
-        if self.ids is not None:
-            obj = {"outputs": obj, "ids": self.ids}
-        data = io.BytesIO()
-        _Pickler(data, protocol=2).dump(obj)
-        prefix = "archive"
-        with zipfile.ZipFile(self.temp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-            z.writestr(f"{prefix}/data.pkl", data.getvalue())
-            z.writestr(f"{prefix}/.format_version", "1")
-            z.writestr(f"{prefix}/.storage_alignment", str(self.ALIGN))
-            z.writestr(f"{prefix}/byteorder", "little")
-            for storage, path in storages:
-                name = f"{prefix}/data/{storage.key}"
-                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-                info.compress_type = zipfile.ZIP_STORED
-                info.extra = self._padding(z.fp.tell(), name)
-                with z.open(info, "w", force_zip64=True) as member:
-                    self._copy(path, member)
-            z.writestr(f"{prefix}/version", "3\n")
-            fsync(z.fp)
-
-    def _padding(self, offset: int, name: str) -> bytes:
-        """An extra field that puts the member's data at a multiple of ALIGN: a local header
-        is 30 bytes, the name, the extra field, and zipfile's 20-byte zip64 field."""
-        start = offset + 30 + len(name.encode()) + 20 + 4    # 4: our field's own header
-        pad = (-start) % self.ALIGN
-        return struct.pack("<HH", 0x4642, pad) + b"\0" * pad   # "FB": the id torch pads with
+        (name, (spool, _)), = self.files.items()
+        dtype = _numpy_dtype(name, next(getattr(torch, d.split(".")[-1]) for _, d, _ in self.sig))
+        array = np.lib.format.open_memmap(self.temp, mode="w+", dtype=dtype, shape=self._shape(name))
+        offset = array.offset
+        del array
+        with open(self.temp, "r+b") as f:
+            f.seek(offset)
+            self._copy(spool, f)
+            fsync(f)
 
 
 # ----------------------------------------------------------------------------- .csv
@@ -374,7 +319,7 @@ def _format_of(dtype: torch.dtype) -> str:
     if dtype.is_floating_point:
         return "%.9g"   # float32 (half and bfloat16 widen to it exactly) reads back bit for bit
     if dtype.is_complex:
-        raise TypeError("complex outputs cannot be written to CSV: write .npz or .pt")
+        raise TypeError("complex outputs cannot be written to CSV: write .npy or .npz")
     return "%d"
 
 
@@ -428,16 +373,19 @@ class CsvWriter(PredictionWriter):
             _close_quietly(f)
 
 
-FORMATS = {".npz": NpzWriter, ".pt": TorchWriter, ".csv": CsvWriter}
+FORMATS = {".npy": NpyWriter, ".npz": NpzWriter, ".csv": CsvWriter}
 
 
 def open_writer(path: str, format: Optional[str] = None) -> PredictionWriter:
-    """A writer for ``path``, of the format its suffix names (or ``format``: npz, pt, csv).
+    """A writer for ``path``, of the format its suffix names (or ``format``: npy, npz, csv).
 
     Raises:
         ValueError: an unknown format (the valid ones are named).
     """
     key = ("." + format.lstrip(".").lower()) if format else os.path.splitext(str(path))[1].lower()
+    if key == ".pt":
+        raise ValueError(f"output={path!r}: outputs are no longer written as .pt: name a .npy file (one "
+                         f"output; torch.from_numpy(numpy.load(path, mmap_mode='r'))) or a .npz or .csv file")
     if key not in FORMATS:
         raise ValueError(f"output={path!r}: cannot write {key or 'a file without a suffix'!r}; name a "
                          f"{', '.join(FORMATS)} file (or give format=)")

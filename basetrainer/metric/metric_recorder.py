@@ -15,7 +15,7 @@ import torch
 from basetrainer.callbacks.callbacks import batch_size_of
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.recorder import PHASES, Recorder, check_phases
-from basetrainer.metric.recorder_inputs import pick_output, pick_targets, update_driver
+from basetrainer.metric.recorder_inputs import pick_output, pick_targets, update_driver, update_error
 from basetrainer.runtime import comm
 
 INSTALL = 'pip install "basetrainer[metrics]"'
@@ -80,15 +80,15 @@ class MetricRecorder(Recorder):
             arguments otherwise (``(value, weight)`` for ``MeanMetric``, ``(preds, target,
             indexes)`` for retrieval metrics).
         per_class: also write each entry of a value with several entries.
-        reads: what a one-input metric (``MeanMetric``, ``MaxMetric``, ``MinMetric``,
-            ``SumMetric``, ``CatMetric``, ...) is updated with: ``"outputs"`` (default) or
-            ``"targets"``. Not for ``(preds, target)`` metrics (use ``transform``).
+        reads: give the update one input, ``"outputs"`` or ``"targets"`` (default: both,
+            ``(outputs, targets)``; for torchmetrics' aggregators ``MeanMetric``, ``MaxMetric``,
+            ``MinMetric``, ``SumMetric``, ``CatMetric``: the outputs).
 
-    What the update gets is read from its signature when the recorder is built: one required
-    input -> the outputs (or ``reads``); two -> ``(outputs, targets)``; any other (e.g.
-    ``update(preds, target, indexes)``) needs ``transform`` and is refused without it, with
-    the fix named. A transform that returns a count the update cannot take is named at the
-    first step. A collection's members must take the same inputs.
+    What the update gets is chosen, never read from its parameters: ``transform``'s return, else
+    the input ``reads`` names, else ``(outputs, targets)`` (the outputs alone for an aggregator).
+    An update that does not take the inputs chosen is refused when the recorder is built, with
+    the fix named (``reads=`` or ``transform=``); a transform's return the update does not take,
+    at the first step. A collection's members get the same inputs.
 
     Example::
 
@@ -127,8 +127,7 @@ class MetricRecorder(Recorder):
         self._args = update_driver(metric_states.members(metric), f"MetricRecorder {indicator!r}", reads, transform)
         self.target_key, self.output_key, self.transform, self.reads = target_key, output_key, transform, reads
         self.per_class = per_class
-        for _, m in metric_states.members(metric):   # no collective inside compute()/forward()
-            m.sync_on_compute = m.dist_sync_on_step = m._to_sync = False
+        metric_states.local_only(metric)   # no collective inside compute()/forward()
         self.metrics = {"train": metric}
         super().__init__(indicator, phases)
         self.metrics["test"] = self.test
@@ -165,13 +164,17 @@ class MetricRecorder(Recorder):
         preds, targets = pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key)
         if isinstance(preds, torch.Tensor):
             preds = preds.detach()
-        counts.update(*self._args(preds, targets))
+        args = self._args(preds, targets)
+        try:
+            counts.update(*args)
+        except TypeError as e:
+            raise update_error(f"MetricRecorder {self.indicator!r}", counts, args, self.transform is not None, e) from e
 
     def compute(self, counts: Any, reduce: bool) -> Dict[str, float]:
         from basetrainer.metric import metric_states
 
         if not reduce or comm.get_world_size() == 1:   # the local states (one process: the whole epoch's)
-            if reduce and not any(m._update_count for _, m in metric_states.members(counts)):
+            if reduce and not any(m.update_count for _, m in metric_states.members(counts)):
                 return {}
             value = counts.compute()
         else:

@@ -23,6 +23,11 @@ Each state is reduced by its ``dist_reduce_fx``:
 
 A rank that saw no batch takes part all the same (its states are the defaults). torchmetrics is
 imported only when one of these functions runs.
+
+Only torchmetrics' public API is used (``metric_state``, ``update_count``, ``reset()``,
+``load_state_dict()``, the ``sync_on_compute`` / ``dist_sync_on_step`` /
+``distributed_available_fn`` settings), except in :func:`reductions` and
+:func:`_restore_update_count`, which say why.
 """
 from typing import Any, Dict, List, Tuple
 
@@ -56,8 +61,9 @@ def reduction_kinds(metric: Any) -> Dict[str, str]:
     table = {data.dim_zero_sum: "sum", data.dim_zero_mean: "mean", data.dim_zero_min: "min",
              data.dim_zero_max: "max", data.dim_zero_cat: "cat"}
     kinds = {}
-    for name, fx in metric._reductions.items():
-        is_list = isinstance(metric._defaults[name], list)
+    state = metric.metric_state
+    for name, fx in reductions(metric).items():
+        is_list = isinstance(state[name], list)
         kind = table.get(fx) if fx is not None else ("list" if is_list else None)
         if kind is None:
             how = "no dist_reduce_fx" if fx is None else f"dist_reduce_fx={getattr(fx, '__name__', fx)!r}"
@@ -86,7 +92,7 @@ def check_reducible(metric: Any) -> None:
         if isinstance(m, Running):
             raise ValueError(f"{type(m).__name__} is a window of the last {m.window} updates, not an epoch's figure; "
                              f"record the metric it wraps ({', '.join(inner[:1])}) for the whole epoch")
-        if not m._defaults and inner:
+        if not m.metric_state and inner:
             wrapped = ", ".join(sorted(set(inner)))
             raise ValueError(f"{type(m).__name__} keeps its states in the metrics it wraps ({wrapped}), "
                              f"which MetricRecorder does not reduce over ranks: record the wrapped metric itself, or "
@@ -98,8 +104,7 @@ def local_states(metric: Any) -> Reduced:
     """This rank's states, copied to the CPU (what a one-process checkpoint saves)."""
     out: Reduced = {}
     for name, m in members(metric):
-        out[name] = {"count": int(m._update_count),
-                     "states": {s: _to_cpu(getattr(m, s)) for s in m._defaults}}
+        out[name] = {"count": m.update_count, "states": {s: _to_cpu(v) for s, v in m.metric_state.items()}}
     return out
 
 
@@ -116,18 +121,18 @@ def reduce_states(metric: Any) -> Reduced:
     sums: Dict[str, torch.Tensor] = {}
     payload = {}
     for name, m in parts:
-        gather = {}
+        gather, state, fxs = {}, m.metric_state, reductions(m)
         for s, kind in kinds[name].items():
-            value = getattr(m, s)
+            value = state[s]
             if kind == "sum":
-                if m._update_count:   # a rank that saw no batch adds nothing (its default may be shaped otherwise)
+                if m.update_count:   # a rank that saw no batch adds nothing (its default may be shaped otherwise)
                     sums[_sum_key(name, m, s)] = value
-            elif kind == "list" and m._reductions[s] is not None and len(value) > 1:
+            elif kind == "list" and fxs[s] is not None and len(value) > 1:
                 gather[s] = [torch.cat([v.reshape(-1, *v.shape[1:]) if v.dim() else v.reshape(1)
                                         for v in value]).cpu()]   # "cat": one tensor, as torchmetrics does
             else:
                 gather[s] = _to_cpu(value)
-        payload[name] = {"count": int(m._update_count), "gather": gather}
+        payload[name] = {"count": m.update_count, "gather": gather}
     summed, ranks = sum_over_ranks(sums, payload)   # every rank's counts and non-sum states beside
 
     out: Reduced = {}
@@ -137,7 +142,7 @@ def reduce_states(metric: Any) -> Reduced:
         states: Dict[str, Any] = {}
         for s, kind in kinds[name].items():
             if kind == "sum":   # no rank saw a batch: the default, as a fresh metric holds it
-                states[s] = summed.get(_sum_key(name, m, s), getattr(m, s).detach().clone())
+                states[s] = summed.get(_sum_key(name, m, s), m.metric_state[s].detach().clone())
                 continue
             values = [r[name]["gather"][s] for r in (ranks if kind in ("list", "min", "max") else seen)]
             if kind == "list":
@@ -166,14 +171,45 @@ def load_states(metric: Any, reduced: Reduced) -> None:
             raise KeyError(f"saved metric states have no member {name!r} (members saved: {sorted(reduced)}); "
                            f"the recorder's metric changed since the checkpoint")
         device = m.device
-        for s in m._defaults:
-            value = part["states"][s]
-            if isinstance(value, list):
-                setattr(m, s, [t.to(device) for t in value])
-            else:
-                setattr(m, s, value.to(device))
-        m._update_count = int(part["count"])
-        m._computed = None
+        states = {s: [t.to(device) for t in v] if isinstance(v, list) else v.to(device)
+                  for s, v in part["states"].items()}
+        m.reset()   # also drops a cached compute() value
+        m.load_state_dict(states, strict=False)
+        _restore_update_count(m, int(part["count"]))
+
+
+def local_only(metric: Any) -> None:
+    """Turn off torchmetrics' own syncs (a collective inside ``compute()``/``forward()``), through
+    its public settings: ``sync_on_compute``, ``dist_sync_on_step``, and
+    ``distributed_available_fn`` (the metric copied ``sync_on_compute`` into a private flag when
+    it was built; with this function saying "not distributed", ``sync()`` returns at once)."""
+    for _, m in members(metric):
+        m.sync_on_compute = m.dist_sync_on_step = False
+        m.distributed_available_fn = _not_distributed
+
+
+def _not_distributed() -> bool:
+    return False
+
+
+def reductions(metric: Any) -> Dict[str, Any]:
+    """``{state name: dist_reduce_fx}`` of one Metric, as given to ``add_state``.
+
+    torchmetrics 1.9 has no public accessor for a state's reduction (``metric_state`` gives the
+    values only, ``state_dict()`` neither): it is read here, and only here, from ``_reductions``.
+    """
+    return dict(metric._reductions)
+
+
+def _restore_update_count(metric: Any, count: int) -> None:
+    """Give a metric whose states were loaded the update count they came with.
+
+    torchmetrics 1.9 has no public way to set it (``update_count`` is a read-only property,
+    ``reset()`` zeroes it, ``load_state_dict()`` does not carry it); without it a restored metric
+    would count as having seen no batch (its sum states left out of the reduction over ranks, a
+    warning at ``compute()``). This is the one write of a torchmetrics private field.
+    """
+    metric._update_count = count
 
 
 def compute_reduced(metric: Any, reduced: Reduced) -> Any:
@@ -182,8 +218,7 @@ def compute_reduced(metric: Any, reduced: Reduced) -> Any:
 
     twin = copy.deepcopy(metric)
     load_states(twin, reduced)
-    for _, m in members(twin):   # the states are reduced already: no second (collective) sync
-        m.sync_on_compute = m._to_sync = False
+    local_only(twin)   # the states are reduced already: no second (collective) sync
     return twin.compute()
 
 

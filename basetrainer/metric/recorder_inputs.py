@@ -1,6 +1,7 @@
 """What a recorder reads from a step: the model's outputs (a dict's ``output_key``, a tuple's
 first element) and the batch's targets (a dict's ``target_key``), and what a metric's
-``update`` takes of them."""
+``update`` is given of them: what the user chose (``reads``, ``transform``), by default
+``(outputs, targets)``, never guessed from the update's parameters."""
 import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -44,59 +45,27 @@ def pick_targets(inputs: Any, target_key: Optional[str]) -> Any:
 READS = ("outputs", "targets")
 
 
-def update_arity(metric: Any) -> Optional[Tuple[int, int]]:
-    """``(required, most)`` positional arguments of ``metric.update`` (torchmetrics' wrappers,
-    whose update takes ``*args``, answer for the metric they wrap); None when it cannot be told."""
-    try:
-        params = list(inspect.signature(metric.update).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        inner = getattr(metric, "base_metric", None) or getattr(metric, "metric", None)
-        return update_arity(inner) if inner is not None and hasattr(inner, "update") else None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return sum(p.default is p.empty for p in positional), len(positional)
+def is_aggregator(metric: Any) -> bool:
+    """torchmetrics' aggregators (``MeanMetric``, ``MaxMetric``, ``MinMetric``, ``SumMetric``,
+    ``CatMetric``: ``torchmetrics.aggregation.BaseAggregator``) aggregate one value per update."""
+    from torchmetrics.aggregation import BaseAggregator
 
-
-def update_signature(metric: Any) -> str:
-    """``"MaxMetric.update(value)"``; optional arguments in brackets."""
-    try:
-        params = [p for p in inspect.signature(metric.update).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    except (TypeError, ValueError):
-        params = []
-    names = [f"*{p.name}" if p.kind is p.VAR_POSITIONAL else p.name if p.default is p.empty else f"[{p.name}]"
-             for p in params]
-    return f"{type(metric).__name__}.update({', '.join(names)})"
-
-
-def inputs_taken(arity: Optional[Tuple[int, int]]) -> Optional[int]:
-    """How many of (outputs, targets) an update of ``arity`` takes: 1, 2, or None (neither: it
-    needs a transform). An update whose arguments cannot be told takes both, as torchmetrics'
-    ``(preds, target)`` metrics do."""
-    if arity is None:
-        return 2
-    required, most = arity
-    if required == 1 or (required == 0 and most == 1):
-        return 1
-    if required == 2 or (required == 0 and most >= 2):
-        return 2
-    return None
+    return isinstance(metric, BaseAggregator)
 
 
 def update_driver(members: Sequence[Tuple[str, Any]], label: str, reads: Optional[str],
                   transform: Optional[Callable[[Any, Any], Any]]) -> Callable[[Any, Any], Tuple[Any, ...]]:
-    """``args(preds, targets)``: the arguments a recorder passes to the update of a metric whose
-    members are ``members`` (``[(name, Metric)]``), checked now, when the recorder is built.
+    """``args(outputs, targets)``: the arguments a recorder passes to the update of a metric whose
+    members are ``members`` (``[(name, Metric)]``), chosen by the user, not read from the update:
 
-    A metric whose update takes one input gets the outputs (``reads="targets"``: the targets);
-    one that takes two gets ``(outputs, targets)``; ``transform(outputs, targets)`` returns the
-    arguments itself (a tuple is several, anything else one).
+    - ``transform(outputs, targets)``: its return (a tuple is several arguments, anything else one);
+    - ``reads="outputs"`` or ``"targets"``: that one input;
+    - neither: ``(outputs, targets)``, or the outputs alone for torchmetrics' aggregators.
 
     Raises:
-        ValueError: ``reads`` is not ``"outputs"``/``"targets"``, is given with ``transform``, or
-            for a metric that takes two inputs; a collection mixes one- and two-input members.
-        TypeError: the update takes neither one nor two inputs and there is no ``transform``.
+        ValueError: ``reads`` is not ``"outputs"``/``"targets"`` or is given with ``transform``;
+            a collection mixes aggregators and other metrics without ``reads``.
+        TypeError: an update that does not take the inputs chosen (named with the fix).
     """
     if reads is not None and reads not in READS:
         raise ValueError(f"{label}: reads={reads!r}; a one-input metric reads 'outputs' or 'targets' "
@@ -104,59 +73,53 @@ def update_driver(members: Sequence[Tuple[str, Any]], label: str, reads: Optiona
     if reads is not None and transform is not None:
         raise ValueError(f"{label}: reads={reads!r} and transform are given; the transform's return is what the "
                          f"update takes: give one of them, not both")
-    for name, m in members:   # the recorder passes positional arguments only
-        try:
-            keywords = [p.name for p in inspect.signature(m.update).parameters.values()
-                        if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-        except (TypeError, ValueError):
-            keywords = []
-        if keywords:
-            raise TypeError(f"{label}: {update_signature(m)} also requires the keyword argument(s) "
-                            f"{', '.join(keywords)}, which MetricRecorder cannot pass (it calls update with "
-                            f"positional arguments): make them positional or give them a default, or record the "
-                            f"figure with a FunctionRecorder")
-    arities = [(name, m, update_arity(m)) for name, m in members]
-    taken = {name: inputs_taken(arity) for name, m, arity in arities}
     if transform is not None:
-        def with_transform(preds: Any, targets: Any) -> Tuple[Any, ...]:
-            args = transform(preds, targets)
-            args = args if isinstance(args, tuple) else (args,)
-            for name, m, arity in arities:
-                if arity is not None and not arity[0] <= len(args) <= arity[1]:
-                    raise TypeError(f"{label}: transform returned {len(args)} value{'s' * (len(args) != 1)}; "
-                                    f"{update_signature(m)} takes {_count(arity)}: return "
-                                    f"{'one value' if arity[1] == 1 else 'a tuple of its arguments'}")
-            return args
-        return with_transform
-    cannot = [(name, m) for name, m, _ in arities if taken[name] is None]
-    if cannot:
-        name, m = cannot[0]
-        raise TypeError(f"{label}: {update_signature(m)} takes {_count(update_arity(m))}; MetricRecorder passes "
-                        f"the model's outputs and the batch's targets: give transform=lambda outputs, targets: "
-                        f"(...) returning its arguments, or record the figure with a FunctionRecorder")
-    kinds = set(taken.values())
-    if len(kinds) > 1:
-        one = [repr(n) for n, k in taken.items() if k == 1]
-        two = [repr(n) for n, k in taken.items() if k == 2]
-        raise ValueError(f"{label}: the MetricCollection's members {', '.join(one)} take one input and "
-                         f"{', '.join(two)} two (outputs, targets); put the one-input metrics in their own "
-                         f"MetricRecorder (with reads= 'outputs' or 'targets')")
-    if kinds == {2}:
-        if reads is not None:
-            name, m, arity = arities[0]
-            raise ValueError(f"{label}: reads={reads!r} is for metrics whose update takes one input; "
-                             f"{update_signature(m)} takes two (outputs, targets). Leave reads out, or give "
-                             f"transform=lambda outputs, targets: (preds, target) to choose what it gets")
-        return lambda preds, targets: (preds, targets)
+        return lambda outputs, targets: _as_args(transform(outputs, targets))
+    one = {name: is_aggregator(m) for name, m in members}
+    if reads is None and len(set(one.values())) > 1:
+        ones = ", ".join(repr(n) for n, k in one.items() if k)
+        twos = ", ".join(repr(n) for n, k in one.items() if not k)
+        raise ValueError(f"{label}: the MetricCollection's members {ones} take one input and {twos} two (outputs, "
+                         f"targets); put the one-input metrics in their own MetricRecorder (with reads= 'outputs' "
+                         f"or 'targets')")
+    if reads is None and all(one.values()):
+        reads = "outputs"
+    given = f"({reads})" if reads else "(outputs, targets)"
+    for _, m in members:
+        _check_takes(m, 1 if reads else 2, label, given)
     if reads == "targets":
-        return lambda preds, targets: (targets,)
-    return lambda preds, targets: (preds,)
+        return lambda outputs, targets: (targets,)
+    if reads == "outputs":
+        return lambda outputs, targets: (outputs,)
+    return lambda outputs, targets: (outputs, targets)
 
 
-def _count(arity: Optional[Tuple[int, int]]) -> str:
-    if arity is None:
-        return "any number of arguments"
-    required, most = arity
-    if required == most:
-        return f"{required} argument{'s' * (required != 1)}"
-    return f"{required} to {most} arguments"
+def _as_args(value: Any) -> Tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+FIX = ("give reads='outputs' or reads='targets' (one input), or transform=lambda outputs, targets: (...) "
+       "returning update's arguments, or record the figure with a FunctionRecorder")
+
+
+def _check_takes(metric: Any, count: int, label: str, given: str) -> None:
+    """Raise now, naming the fix, when ``metric.update`` cannot be called with ``count``
+    positional arguments (the inputs chosen), rather than at the first step inside the metric."""
+    try:
+        signature = inspect.signature(metric.update)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError as e:
+        bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                 return_annotation=signature.empty)
+        raise TypeError(f"{label}: MetricRecorder calls {type(metric).__name__}.update{bare} with {given}, "
+                        f"which it does not take ({e}): {FIX}") from None
+
+
+def update_error(label: str, metric: Any, args: Tuple[Any, ...], transform: bool, error: TypeError) -> TypeError:
+    """The error for an update that raised TypeError on the arguments it was given."""
+    what = f"transform returned {len(args)} value{'s' * (len(args) != 1)}" if transform else \
+        f"it got {len(args)} input{'s' * (len(args) != 1)}"
+    return TypeError(f"{label}: {type(metric).__name__}.update raised TypeError ({error}); {what}: {FIX}")

@@ -36,7 +36,8 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class _Generators:
-    """This process's global generators, and which of them items were seen drawing from.
+    """How one :class:`SeededDataset` drives this process's global generators, and which of
+    them its items were seen drawing from.
 
     Attributes:
         seeded: per generator (``torch``, ``numpy``, ``python``), whether it is seeded for every

@@ -1,5 +1,7 @@
 """Per-sample seeding (dataloader/seeding.py): every item is drawn with each generator it uses
 seeded from (seed, epoch, index), though numpy's and python's are seeded only once seen in use."""
+import ast
+import inspect
 import random
 
 import numpy as np
@@ -8,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from basetrainer.dataloader import seeding
+from basetrainer.dataloader.loader import build_dataloader
 
 
 class Mixed(Dataset):
@@ -33,20 +36,15 @@ def reference(i, epoch):
     return Mixed()[i]
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.setattr(seeding, "_GENERATORS", None)   # as in a new worker: nothing seen in use yet
-
-
-def test_every_item_is_drawn_from_generators_seeded_by_its_key(fresh):
+def test_every_item_is_drawn_from_generators_seeded_by_its_key():
     data = seeding.SeededDataset(Mixed(), seed=7)
     keys = [(i, 3) for i in reversed(range(30))]           # any order: the draws depend on the key only
     got = data.__getitems__(keys)
     assert got == [reference(i, 3) for i, _ in keys]
-    assert seeding._generators().seeded == {"torch": True, "numpy": True, "python": True}   # all seen in use
+    assert data.generators.seeded == {"torch": True, "numpy": True, "python": True}   # all seen in use
 
 
-def test_a_pipeline_drawing_from_torch_only_seeds_torch_only(fresh):
+def test_a_pipeline_drawing_from_torch_only_seeds_torch_only():
     class TorchOnly(Dataset):
         def __len__(self):
             return 10
@@ -56,10 +54,10 @@ def test_a_pipeline_drawing_from_torch_only_seeds_torch_only(fresh):
 
     data = seeding.SeededDataset(TorchOnly(), seed=7)
     data.__getitems__([(i, 0) for i in range(10)])
-    assert seeding._generators().seeded == {"torch": True, "numpy": False, "python": False}
+    assert data.generators.seeded == {"torch": True, "numpy": False, "python": False}
 
 
-def test_the_main_process_keeps_its_own_draws(fresh):
+def test_the_main_process_keeps_its_own_draws():
     torch.manual_seed(1)
     random.seed(1)
     np.random.seed(1)
@@ -71,13 +69,7 @@ def test_the_main_process_keeps_its_own_draws(fresh):
     assert (float(torch.rand(())), random.random(), float(np.random.rand())) == expected
 
 
-def test_the_generators_can_be_watched_here():
-    # where they cannot, they are seeded for every sample (slower, as exact): say which way it runs
-    generators = seeding._Generators()
-    assert all(watch is not None for watch in generators.watches.values())
-
-
-def test_generators_first_used_inside_a_batch_are_seeded_for_its_earlier_items_too(fresh):
+def test_generators_first_used_inside_a_batch_are_seeded_for_its_earlier_items_too():
     data = seeding.SeededDataset(Mixed(), seed=7)
     keys = [(i, 1) for i in range(30)]          # python's is first used by item 2, numpy's by item 4
     assert data.__getitems__(keys) == [reference(i, 1) for i, _ in keys]
@@ -93,14 +85,14 @@ class Nothing(Dataset):
         return torch.initial_seed()
 
 
-def test_a_data_set_that_draws_nothing_seeds_nothing_yet_sees_its_sample_seed(fresh):
+def test_a_data_set_that_draws_nothing_seeds_only_torch_and_sees_its_sample_seed():
     data = seeding.SeededDataset(Nothing(), seed=7)
     got = data.__getitems__([(i, 2) for i in range(10)])
     assert got == [seeding.sample_seed(7, 2, i) for i in range(10)]    # torch.initial_seed() is the sample's
-    assert seeding._generators().seeded == {"torch": False, "numpy": False, "python": False}
+    assert data.generators.seeded == {"torch": True, "numpy": False, "python": False}
 
 
-def test_a_generator_made_from_torch_initial_seed_draws_as_documented(fresh):
+def test_a_generator_made_from_torch_initial_seed_draws_as_documented():
     class OwnRng(Dataset):
         def __len__(self):
             return 10
@@ -122,7 +114,7 @@ class Gaussians(Dataset):
         return float(torch.randn(())) + random.gauss(0, 1) + float(np.random.standard_normal())
 
 
-def test_the_main_process_keeps_its_cached_gaussians_too(fresh):
+def test_the_main_process_keeps_its_cached_gaussians_too():
     def main_draws():
         return float(torch.randn(())), random.gauss(0, 1), float(np.random.standard_normal())
 
@@ -142,20 +134,40 @@ def test_the_main_process_keeps_its_cached_gaussians_too(fresh):
     assert main_draws() == expected
 
 
-def test_generators_that_cannot_be_watched_are_seeded_for_every_item(fresh, monkeypatch):
-    monkeypatch.setattr(seeding, "_round_trips", lambda *args: False)   # as on a build of other layout
-    generators = seeding._generators()
-    assert generators.seeded == {"torch": True, "numpy": True, "python": True}
-    assert all(not g.readers for g in generators.all)
-    keys = [(i, 5) for i in range(30)]
-    want = [reference(i, 5) for i, _ in keys]
-    torch.manual_seed(1)
-    random.seed(1)
-    np.random.seed(1)
-    expected_main = (float(torch.rand(())), random.random(), float(np.random.rand()))
-    torch.manual_seed(1)
-    random.seed(1)
-    np.random.seed(1)
-    got = seeding.SeededDataset(Mixed(), seed=7).__getitems__(keys)
-    assert (float(torch.rand(())), random.random(), float(np.random.rand())) == expected_main
-    assert got == want
+def test_the_generators_are_reached_through_their_public_functions_only():
+    # no ctypes over torch's, numpy's or python's objects: their layouts change without notice
+    tree = ast.parse(inspect.getsource(seeding))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "ctypes" not in imported, sorted(imported)
+
+
+class Augment(Dataset):
+    """What a transform draws from each global generator, per sample (numpy's for some only)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        draws = (float(torch.rand(())), float(np.random.rand()) if i % 4 == 3 else 0.0, random.random())
+        return torch.tensor([i, *draws], dtype=torch.float64)
+
+
+def epoch_draws(workers, start=0):
+    """{index: its draws} of epoch 2 of the default loader, started at global batch ``start`` (a
+    resume inside the epoch) with ``workers`` worker processes."""
+    loader = build_dataloader(Augment(), 8, workers, phase="train", seed=11)
+    loader.batch_sampler.set_epoch(2)
+    loader.batch_sampler.start_at(start)
+    rows = torch.cat(list(loader))
+    return {int(r[0]): r[1:].tolist() for r in rows}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(workers):
+    full = epoch_draws(0)
+    resumed = epoch_draws(workers, start=3)          # batches 3 and 4 of 5, in fresh worker processes
+    assert len(full) == 40 and len(resumed) == 16
+    assert all(full[i][2] == random.Random(seeding.sample_seed(11, 2, i)).random() for i in full)   # the sample's
+    assert resumed == {i: full[i] for i in resumed}
+    assert epoch_draws(workers) == full               # the whole epoch, any workers

@@ -113,3 +113,26 @@ def test_one_atomic_writer():
             text = f.read()
         offenders += [f"{module}: {call}" for call in ("os.replace(", "os.rename(", "torch.save(") if call in text]
     assert not offenders, offenders
+
+
+def test_no_import_cycles():
+    """No module imports, through others, a module that imports it (function bodies count too):
+    within a layer the house's order must also run one way, or each of the two can only be read
+    with the other (measured: runtime.checkpoint and runtime.sharded imported each other)."""
+    graph = {module: {name for name, _ in imports_of(module, path) if name != module} for module, path in modules()}
+    cycles = []
+    for start in sorted(graph):
+        path, seen = [start], {start}
+        stack = [iter(sorted(graph[start]))]
+        while stack:   # depth first from start; a path back to start is a cycle (reported once: from its first module)
+            name = next(stack[-1], None)
+            if name is None:
+                stack.pop()
+                path.pop()
+            elif name == start:
+                cycles.append(" -> ".join(path + [start]))
+            elif name in graph and name not in seen and name > start:
+                seen.add(name)
+                path.append(name)
+                stack.append(iter(sorted(graph[name])))
+    assert not cycles, "\n".join(cycles)

@@ -73,6 +73,7 @@ class EngineTrainer(Engine):
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.channels_last = bool(cfg.channels_last)
         self._compile_checked = not cfg.compile
+        self._model_build: Optional[sharding.BuildAttempt] = None   # while build_model runs (fsdp: for shard)
         self.num_steps = 0      # train batches per epoch (len(train_loader)), not optimizer steps
         self.num_samples = 0    # training samples (the whole data set, all processes)
         self.is_main_process = comm.is_main_process()
@@ -130,7 +131,11 @@ class EngineTrainer(Engine):
             self.num_samples = len(dataset) if dataset is not None else self.num_steps * cfg.batch_size
             data.check_equal_lengths(self.train_loader)
         # fsdp: ranks but 0 build on the meta device where the model allows (fsdp_meta_init)
-        self.model = sharding.construct(self.cfg, lambda: self.build_model(cfg, **kwargs))
+        self._model_build = sharding.BuildAttempt()   # build_model_parallel hands it to shard()
+        try:
+            self.model = sharding.construct(self.cfg, lambda: self.build_model(cfg, **kwargs), self._model_build)
+        finally:
+            self._model_build = None
         self.criterion = self.build_criterion(cfg, **kwargs)
         self.optimizer = self.build_optimizer(cfg, **kwargs)
         if self.model is None:
@@ -225,7 +230,7 @@ class EngineTrainer(Engine):
                 model = model.to(memory_format=torch.channels_last)
             if sync_bn and comm.get_world_size() > 1:
                 model = self._sync_batchnorm(model)
-            return sharding.shard(model, self.device, self.cfg, policy=self.wrap_policy)
+            return sharding.shard(model, self.device, self.cfg, policy=self.wrap_policy, attempt=self._model_build)
         find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
         model = model.to(self.device)
         if self.channels_last:

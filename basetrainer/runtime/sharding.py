@@ -67,19 +67,24 @@ def meta_init(cfg: Any) -> Union[str, bool]:
                      f"values; true: always on meta; false: every rank builds the whole model)")
 
 
-class _Attempt:
-    """This process's meta-device attempt at building the model (ranks other than 0)."""
+class BuildAttempt:
+    """One building of the model under ``strategy: fsdp``, from :func:`construct` to
+    :func:`shard`: the trainer makes it, gives it to :func:`construct` and, while the user's
+    ``build_model`` runs, to :func:`shard` through ``build_model_parallel`` (its own field), so
+    that what the build left for the sharding travels with the build, not as a process-wide
+    flag a second trainer (or a build that never reached :func:`shard`) would find."""
 
-    on_meta = False                  # build_model is running on the meta device
-    talking = False                  # shard() began its collectives: too late to build again
-    normal_because: Optional[str] = None   # why this rank built normally (rank 0 reports it)
+    def __init__(self) -> None:
+        self.on_meta = False                         # build_model is running on the meta device
+        self.talking = False                         # shard() began its collectives: too late to build again
+        self.normal_because: Optional[str] = None    # why this rank built normally (rank 0 reports it)
 
 
 class _NotMetaSafe(RuntimeError):
     """A model built on meta that would fail later (a plain tensor attribute left on meta)."""
 
 
-def construct(cfg: Any, build: Callable[[], nn.Module]) -> nn.Module:
+def construct(cfg: Any, build: Callable[[], nn.Module], attempt: Optional[BuildAttempt] = None) -> nn.Module:
     """``build()`` (the trainer's ``build_model``) where ``strategy: fsdp`` wants it.
 
     Rank 0, and every rank of other strategies, builds normally. With ``fsdp`` the other ranks
@@ -88,22 +93,25 @@ def construct(cfg: Any, build: Callable[[], nn.Module]) -> nn.Module:
     fails there (it read a tensor's value, as timm's drop-path rates do) or leaves a plain tensor
     attribute on meta; ``true`` makes that an error; ``false`` builds normally at once.
 
+    ``attempt`` records the try (see :class:`BuildAttempt`); ``build`` gives the same object to
+    :func:`shard`, which reads it (a fresh one when None: then :func:`shard` is not told).
+
     Raises:
         ValueError: ``fsdp_meta_init: true`` and the model cannot be built on meta.
     """
     if strategy_of(cfg) != "fsdp" or not comm.is_dist() or comm.get_rank() == 0:
         return build()
     mode = meta_init(cfg)
-    _Attempt.talking, _Attempt.normal_because = False, None
+    attempt = attempt if attempt is not None else BuildAttempt()
     if mode is False:
-        _Attempt.normal_because = "fsdp_meta_init: false"
+        attempt.normal_because = "fsdp_meta_init: false"
         return build()
     try:
-        _Attempt.on_meta = True
+        attempt.on_meta = True
         with torch.device("meta"):
             return build()
     except Exception as e:
-        if _Attempt.talking:   # failed after the ranks began sharding together: building again would desync
+        if attempt.talking:   # failed after the ranks began sharding together: building again would desync
             raise
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if mode is True:
@@ -112,8 +120,8 @@ def construct(cfg: Any, build: Callable[[], nn.Module]) -> nn.Module:
                              f"fsdp_meta_init: auto (build normally where meta fails) or false (every rank builds "
                              f"the whole model), or make the constructor meta-safe") from e
     finally:
-        _Attempt.on_meta = False
-    _Attempt.normal_because = reason
+        attempt.on_meta = False
+    attempt.normal_because = reason
     logger.info("strategy: fsdp: rank %d builds the model normally, not on the meta device (%s): it holds the "
                 "whole model in host memory once while it is built. Its weights are still rank 0's. "
                 "fsdp_meta_init: false skips the meta attempt", comm.get_rank(), reason)
@@ -232,25 +240,33 @@ def _running_stat_norms(model: nn.Module) -> List[nn.Module]:
     failed at its first forward. A bf16 input beside float32 parameters is fine (autocast does
     the same under ddp), and the output stays bf16. Each becomes an FSDP group of its own (two
     small collectives per step each), or keeps the group it has as a block."""
-    return [m for m in model.modules() if m is not model and isinstance(m, nn.modules.batchnorm._NormBase)
-            and m.track_running_stats]
+    return [m for m in model.modules() if m is not model and _tracks_running_stats(m)]
+
+
+def _tracks_running_stats(module: nn.Module) -> bool:
+    """A normalisation layer with running statistics: BatchNorm, SyncBatchNorm, InstanceNorm with
+    ``track_running_stats`` (their public flag and buffer, not torch's private base class)."""
+    return bool(getattr(module, "track_running_stats", False)) and isinstance(getattr(module, "running_mean", None),
+                                                                                  torch.Tensor)
 
 
 def shard(model: nn.Module, device: torch.device, cfg: Any,
-          policy: Optional[Callable[[nn.Module], bool]] = None) -> nn.Module:
+          policy: Optional[Callable[[nn.Module], bool]] = None, attempt: Optional[BuildAttempt] = None) -> nn.Module:
     """``fully_shard`` the model's blocks and its root over all processes; the weights are rank
     0's (scattered from it: the other ranks built the model on ``meta``).
 
     Options from ``cfg``: ``fsdp_wrap`` (class names), ``reshard_after_forward`` (default
     true: free a block's full parameters after its forward, all-gather again in the backward),
     ``activation_checkpointing`` (recompute the wrapped blocks' activations in the backward),
-    ``amp: bf16`` (bf16 compute, float32 gradient reduction).
+    ``amp: bf16`` (bf16 compute, float32 gradient reduction). ``attempt``: the
+    :class:`BuildAttempt` of the :func:`construct` this runs inside, if any (every rank calls
+    this; rank 0 reports the ranks that built normally).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     amp = str(cfg.get("amp") or "none").lower()
-    if _Attempt.on_meta:
+    if attempt is not None and attempt.on_meta:
         plain = _meta_attributes(model)
         if plain:   # before any collective: construct() can still build again
             raise _NotMetaSafe(f"plain tensor attributes {plain[:5]} stay on the meta device (sharding gives "
@@ -266,8 +282,9 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     _retie_buffers(model, shared_buffers)
     if cfg.get("activation_checkpointing"):
         _checkpoint_activations(model, blocks)
-    _Attempt.talking = True
-    _report_normal_builds()
+    if attempt is not None:
+        attempt.talking = True
+    _report_normal_builds(attempt.normal_because if attempt is not None else None)
     mesh = init_device_mesh(device.type, (comm.get_world_size(),))
     options = dict(mesh=mesh, reshard_after_forward=bool(cfg.get("reshard_after_forward", True)))
     policy_mp = _mixed_precision(amp, device)
@@ -292,11 +309,10 @@ def shard(model: nn.Module, device: torch.device, cfg: Any,
     return model
 
 
-def _report_normal_builds() -> None:
-    """Rank 0 says which ranks built the whole model instead of on meta, and why (the others
-    log warnings only)."""
-    reasons = comm.all_gather_object(_Attempt.normal_because) if comm.get_world_size() > 1 else [None]
-    _Attempt.normal_because = None
+def _report_normal_builds(because: Optional[str]) -> None:
+    """Rank 0 says which ranks built the whole model instead of on meta, and why (``because``:
+    this rank's reason; the others log warnings only)."""
+    reasons = comm.all_gather_object(because) if comm.get_world_size() > 1 else [None]
     built = {rank: why for rank, why in enumerate(reasons) if rank > 0 and why}
     if built and comm.get_rank() == 0:
         first = next(iter(built.values()))
@@ -370,11 +386,12 @@ def _retie_buffers(model: nn.Module, shared: List[List[str]]) -> None:
     """Make every name of a shared buffer hold one tensor again (``.to()`` and ``to_empty``
     give each module its own copy)."""
     for names in shared:
-        owner, _, attr = names[0].rpartition(".")
-        tensor = (model.get_submodule(owner) if owner else model)._buffers[attr]
+        tensor = model.get_buffer(names[0])
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
-            (model.get_submodule(owner) if owner else model)._buffers[attr] = tensor
+            # assigning a tensor to a buffer's name replaces the buffer (nn.Module.__setattr__),
+            # persistent or not as it was registered
+            setattr(model.get_submodule(owner) if owner else model, attr, tensor)
 
 
 def _full_weights(model: nn.Module) -> Tuple[dict, dict]:
@@ -385,14 +402,10 @@ def _full_weights(model: nn.Module) -> Tuple[dict, dict]:
 
 
 def _non_persistent_buffers(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    found, seen = [], set()
-    for prefix, module in model.named_modules():
-        for attr in sorted(module._non_persistent_buffers_set):
-            buf = module._buffers.get(attr)
-            if buf is not None and id(buf) not in seen:
-                seen.add(id(buf))
-                found.append((f"{prefix}.{attr}" if prefix else attr, buf))
-    return found
+    """The buffers ``state_dict()`` leaves out (registered with ``persistent=False``), each
+    tensor once (under its first name)."""
+    saved = set(model.state_dict(keep_vars=True))
+    return [(name, buf) for name, buf in model.named_buffers() if name not in saved]
 
 
 def _scatter_from_rank0(model: nn.Module, full: Optional[Tuple[dict, dict]], device: torch.device) -> None:
@@ -427,8 +440,7 @@ def _checkpoint_activations(model: nn.Module, blocks: List[nn.Module]) -> None:
     from torch.distributed._composable import checkpoint
 
     for block in blocks:
-        norms = [m for m in block.modules()   # BatchNorm, SyncBatchNorm, InstanceNorm(track_running_stats=True)
-                 if getattr(m, "track_running_stats", False) and isinstance(getattr(m, "running_mean", None), torch.Tensor)]
+        norms = [m for m in block.modules() if _tracks_running_stats(m)]
         if norms:
             checkpoint(block, context_fn=lambda norms=norms: (contextlib.nullcontext(), _RunningStatsKept(norms)))
         else:

@@ -136,3 +136,34 @@ def test_no_import_cycles():
                 path.append(name)
                 stack.append(iter(sorted(graph[name])))
     assert not cycles, "\n".join(cycles)
+
+
+# torch's private fields basetrainer once reached into (a module's buffer dict, a DataLoader's
+# iterator and its worker shutdown, a private base class); where torch gives no public way,
+# one function touches them and its docstring says why
+TORCH_PRIVATE = {"_buffers", "_non_persistent_buffers_set", "_NormBase", "_iterator", "_shutdown_workers",
+                 "_persistent_workers"}
+TORCH_PRIVATE_HOMES = {("basetrainer.engine.preemption", "_stop_workers")}
+
+
+def test_torch_private_fields_only_in_their_one_function():
+    def visit(node, module, function, found):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        named = node.attr if isinstance(node, ast.Attribute) else (
+            node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+        if named in TORCH_PRIVATE and (module, function) not in TORCH_PRIVATE_HOMES:
+            found.append(f"{module}:{node.lineno} ({function}) {named}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, module, function, found)
+
+    found = []
+    for module, path in modules():
+        with open(path, encoding="utf-8") as f:
+            visit(ast.parse(f.read(), path), module, None, found)
+    assert not found, "\n".join(found)
+    for module, function in TORCH_PRIVATE_HOMES:   # each home says why torch has no public way
+        with open(os.path.join(ROOT, *module.split(".")) + ".py", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        home = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+        assert "no public way" in (ast.get_docstring(home) or ""), f"{module}.{function}: say why in its docstring"

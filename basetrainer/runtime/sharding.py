@@ -6,15 +6,12 @@ rank.
 Building and sharding the model: :mod:`basetrainer.runtime.fsdp_build`.
 """
 import contextlib
-import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from basetrainer.runtime import comm
-
-logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp")
 

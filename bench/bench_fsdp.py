@@ -633,7 +633,7 @@ blocks up to that size come from the heap, where freed memory stays resident unt
 or trimmed; FSDP gathers and frees every block's parameters and gradients at each step, so its
 RSS grew step after step (1.45x ddp's peak before basetrainer did anything about it). Under
 `strategy: fsdp` on the CPU, basetrainer therefore fixes the threshold at 1 MiB in each process
-(`mallopt`, in `sharding.shard`, unless `MALLOC_MMAP_THRESHOLD_` is set): such blocks are their
+(`mallopt`, in `fsdp_build.shard`, unless `MALLOC_MMAP_THRESHOLD_` is set): such blocks are their
 own mappings and go back to the system when freed, so the RSS follows the live tensors; ddp
 processes are left as glibc makes them. The "mmap" setting sets `MALLOC_MMAP_THRESHOLD_` in both
 strategies' environment (then basetrainer leaves it alone). What this run shows:

@@ -19,7 +19,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.callbacks.model_ema import ModelEMA
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
-from basetrainer.runtime import checkpoint, comm, shard_io, sharded, sharding
+from basetrainer.runtime import checkpoint, comm, fsdp_build, fsdp_weights, shard_io, sharded, sharding
 
 from conftest import ROOT, free_port, run_distributed, run_script, script_fixture, weight_diff
 from fsdp_common import Block, BlockNet, BlockTrainer, fsdp_cfg, full_weights
@@ -271,18 +271,18 @@ def test_a_snapshot_outlives_later_saves_and_a_parameter_without_state_resumes(t
 
 def test_wrap_choice_and_clear_errors():
     resnet = torchvision.models.resnet18(weights=None)
-    assert {type(m).__name__ for m in sharding.blocks_to_wrap(resnet)} == {"BasicBlock"}
-    assert len(sharding.blocks_to_wrap(resnet)) == 8
+    assert {type(m).__name__ for m in fsdp_build.blocks_to_wrap(resnet)} == {"BasicBlock"}
+    assert len(fsdp_build.blocks_to_wrap(resnet)) == 8
     mobilenet = torchvision.models.mobilenet_v2(weights=None)
-    assert {type(m).__name__ for m in sharding.blocks_to_wrap(mobilenet)} == {"InvertedResidual"}
-    assert len(sharding.blocks_to_wrap(BlockNet(), wrap=["Block"])) == 3
-    assert len(sharding.blocks_to_wrap(BlockNet(), policy=lambda m: isinstance(m, nn.Linear))) == 5
+    assert {type(m).__name__ for m in fsdp_build.blocks_to_wrap(mobilenet)} == {"InvertedResidual"}
+    assert len(fsdp_build.blocks_to_wrap(BlockNet(), wrap=["Block"])) == 3
+    assert len(fsdp_build.blocks_to_wrap(BlockNet(), policy=lambda m: isinstance(m, nn.Linear))) == 5
     with pytest.raises(ValueError, match="fsdp_wrap.*'Blok'.*match no module class"):
-        sharding.blocks_to_wrap(BlockNet(), wrap=["Blok"])
+        fsdp_build.blocks_to_wrap(BlockNet(), wrap=["Blok"])
     tied = BlockNet()
     tied.blocks[1].fc.weight = tied.blocks[0].fc.weight     # shared by two blocks: sharded apart
     with pytest.raises(ValueError, match=r"blocks.0.fc.weight.*blocks.1.fc.weight.*tied.*fsdp_wrap"):
-        sharding._tied(tied, sharding.blocks_to_wrap(tied))
+        fsdp_weights.tied(tied, fsdp_build.blocks_to_wrap(tied))
     with pytest.raises(ValueError, match="no process group|none is initialised"):
         BlockTrainer(fsdp_cfg(strategy="fsdp"))
     with pytest.raises(ValueError, match="DataParallel"):

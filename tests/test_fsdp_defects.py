@@ -11,7 +11,7 @@ from torch import nn
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
-from basetrainer.runtime import checkpoint, sharding
+from basetrainer.runtime import checkpoint, comm, fsdp_build, sharding
 
 from conftest import run_distributed, weight_diff
 from fsdp_common import BlockTrainer, fsdp_cfg, full_weights
@@ -149,8 +149,8 @@ CASES = [  # (name, config overrides)
 def _train(rank, cases, work):
     out = {}
     log = Messages()
-    logging.getLogger("basetrainer.runtime.sharding").addHandler(log)
-    logging.getLogger("basetrainer.runtime.sharding").setLevel(logging.INFO)
+    logging.getLogger("basetrainer.runtime.fsdp_build").addHandler(log)
+    logging.getLogger("basetrainer.runtime.fsdp_build").setLevel(logging.INFO)
     for name, over in cases:
         t = DefectTrainer(fsdp_cfg(**over), callbacks=[LossesRecorder()])
         built_on = t.unwrapped_model.built_on
@@ -246,6 +246,34 @@ def test_fsdp_meta_init_values_are_checked():
     assert sharding.meta_init(fsdp_cfg(strategy="fsdp")) == "auto"
     assert sharding.meta_init(fsdp_cfg(fsdp_meta_init="False")) is False
     assert sharding.meta_init(fsdp_cfg(fsdp_meta_init="true")) is True
+
+
+def test_the_meta_build_attempt_travels_with_its_build(monkeypatch):
+    """What construct() leaves for shard() travels in the BuildAttempt given to both (issue 34.1),
+    not in process-wide flags: rank 1's fallback from meta (shard() finds a plain tensor attribute
+    there, before any collective) is recorded on that build's attempt, and a second build in the
+    same process starts from its own."""
+    monkeypatch.setattr(comm, "is_dist", lambda: True)   # as rank 1 of a group, up to shard()'s collectives
+    monkeypatch.setattr(comm, "get_rank", lambda: 1)
+    cfg = fsdp_cfg(strategy="fsdp")
+
+    def build(net, attempt):
+        def build_model():
+            model = net()
+            if model.built_on == "meta":   # build_model_parallel: shard() checks the meta build first
+                fsdp_build.shard(model, torch.device("cpu"), cfg, attempt=attempt)
+            return model
+        return build_model
+
+    first, second = fsdp_build.BuildAttempt(), fsdp_build.BuildAttempt()
+    model = fsdp_build.construct(cfg, build(PlainAttributeNet, first), first)
+    assert (model.built_on, model.offset.device.type) == ("cpu", "cpu")   # built again, normally
+    assert "['offset']" in first.normal_because and (first.on_meta, first.talking) == (False, False)
+    model = fsdp_build.construct(cfg, lambda: ReadsTensorsNet(), second)
+    assert model.built_on == "cpu" and "Tensor.item()" in second.normal_because
+    third = fsdp_build.BuildAttempt()   # a meta-safe model: left on meta (no shard() here: it would all-gather)
+    model = fsdp_build.construct(cfg, lambda: SharedBufferNet(), third)
+    assert model.built_on == "meta" and third.normal_because is None and "['offset']" in first.normal_because
 
 
 # ----------------------------------------------------------------------------- 28.8

@@ -113,3 +113,57 @@ def test_one_atomic_writer():
             text = f.read()
         offenders += [f"{module}: {call}" for call in ("os.replace(", "os.rename(", "torch.save(") if call in text]
     assert not offenders, offenders
+
+
+def test_no_import_cycles():
+    """No module imports, through others, a module that imports it (function bodies count too):
+    within a layer the house's order must also run one way, or each of the two can only be read
+    with the other (measured: runtime.checkpoint and runtime.sharded imported each other)."""
+    graph = {module: {name for name, _ in imports_of(module, path) if name != module} for module, path in modules()}
+    cycles = []
+    for start in sorted(graph):
+        path, seen = [start], {start}
+        stack = [iter(sorted(graph[start]))]
+        while stack:   # depth first from start; a path back to start is a cycle (reported once: from its first module)
+            name = next(stack[-1], None)
+            if name is None:
+                stack.pop()
+                path.pop()
+            elif name == start:
+                cycles.append(" -> ".join(path + [start]))
+            elif name in graph and name not in seen and name > start:
+                seen.add(name)
+                path.append(name)
+                stack.append(iter(sorted(graph[name])))
+    assert not cycles, "\n".join(cycles)
+
+
+# torch's private fields basetrainer once reached into (a module's buffer dict, a DataLoader's
+# iterator and its worker shutdown, a private base class); where torch gives no public way,
+# one function touches them and its docstring says why
+TORCH_PRIVATE = {"_buffers", "_non_persistent_buffers_set", "_NormBase", "_iterator", "_shutdown_workers",
+                 "_persistent_workers"}
+TORCH_PRIVATE_HOMES = {("basetrainer.engine.preemption", "_stop_workers")}
+
+
+def test_torch_private_fields_only_in_their_one_function():
+    def visit(node, module, function, found):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        named = node.attr if isinstance(node, ast.Attribute) else (
+            node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+        if named in TORCH_PRIVATE and (module, function) not in TORCH_PRIVATE_HOMES:
+            found.append(f"{module}:{node.lineno} ({function}) {named}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, module, function, found)
+
+    found = []
+    for module, path in modules():
+        with open(path, encoding="utf-8") as f:
+            visit(ast.parse(f.read(), path), module, None, found)
+    assert not found, "\n".join(found)
+    for module, function in TORCH_PRIVATE_HOMES:   # each home says why torch has no public way
+        with open(os.path.join(ROOT, *module.split(".")) + ".py", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        home = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+        assert "no public way" in (ast.get_docstring(home) or ""), f"{module}.{function}: say why in its docstring"

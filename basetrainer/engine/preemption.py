@@ -16,6 +16,8 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional
 
+from torch.utils.data import DataLoader
+
 from basetrainer.runtime import comm
 
 logger = logging.getLogger(__name__)
@@ -108,8 +110,12 @@ def start(loader: Any) -> Iterator[Any]:
             it = iter(loader)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    if hasattr(it, "_shutdown_workers"):   # for end_workers (weakly: a finished loop frees it)
-        _started[id(loader)] = weakref.ref(it)
+    # kept for end_workers (weakly: a finished loop frees it); a DataLoader without workers has none
+    if getattr(loader, "num_workers", 0) or not isinstance(loader, DataLoader):
+        try:
+            _started[id(loader)] = weakref.ref(it)
+        except TypeError:   # an iterator that cannot be referred to weakly (a list's) has no workers
+            pass
     return it
 
 
@@ -128,21 +134,34 @@ def end_workers(*loaders: Any) -> None:
     The persistent iterator of a DataLoader inside a wrapper is left alone (that DataLoader
     reuses it). Never raises (a worker that does not stop is torch's to kill).
     """
-    from torch.utils.data import DataLoader
-
     for loader in loaders:
         ref = _started.pop(id(loader), None)
-        last = ref() if ref is not None else None
-        own = loader._iterator if isinstance(loader, DataLoader) else None
-        if last is not None and getattr(last, "_persistent_workers", False) and last is not own:
-            last = None   # a wrapped DataLoader's: it starts its next epoch with it
-        for it in {id(x): x for x in (own, last) if hasattr(x, "_shutdown_workers")}.values():
-            try:
-                it._shutdown_workers()
-            except Exception as e:  # torch's shutdown is not meant to raise
-                logger.warning("stopping the DataLoader workers failed: %s", e)
-        if own is not None:
-            loader._iterator = None   # the next epoch (a later run()) starts new workers
+        _stop_workers(loader, ref() if ref is not None else None)
+
+
+def _stop_workers(loader: Any, last: Any) -> None:
+    """Stop the worker processes of ``loader``'s persistent iterator and of ``last`` (the
+    iterator :func:`start` made for it, if still alive), now; a persistent iterator of a
+    DataLoader inside a wrapper is left alone.
+
+    The one place that reaches into torch's DataLoader, because torch (2.14) has no public way
+    to: an iterator stops its workers only when freed (``__del__`` calls its private
+    ``_shutdown_workers``), too late here (see :func:`end_workers`); a DataLoader with
+    ``persistent_workers`` keeps its iterator in the private ``_iterator`` and gives it to every
+    later ``iter()``, so after stopping its workers that field is emptied for the next epoch to
+    start new ones; and only the iterator says whether it is such a persistent one
+    (``_persistent_workers``), when the DataLoader hides behind a user's wrapper.
+    """
+    own = loader._iterator if isinstance(loader, DataLoader) else None
+    if last is not None and getattr(last, "_persistent_workers", False) and last is not own:
+        last = None   # a wrapped DataLoader's: it starts its next epoch with it
+    for it in {id(x): x for x in (own, last) if hasattr(x, "_shutdown_workers")}.values():
+        try:
+            it._shutdown_workers()
+        except Exception as e:  # torch's shutdown is not meant to raise
+            logger.warning("stopping the DataLoader workers failed: %s", e)
+    if own is not None:
+        loader._iterator = None   # the next epoch (a later run()) starts new workers
 
 
 def shield_worker() -> None:
@@ -180,9 +199,9 @@ class WorkerShield:
 
 
 def shield_loader(loader: Any) -> None:
-    """Make ``loader``'s future worker processes ignore group signals (a no-op without workers,
-    or when its persistent workers already run)."""
-    if getattr(loader, "num_workers", 0) <= 0 or getattr(loader, "_iterator", None) is not None:
+    """Make ``loader``'s future worker processes ignore group signals (a no-op without workers;
+    persistent workers already running keep their start, and :func:`end_workers` stops them)."""
+    if getattr(loader, "num_workers", 0) <= 0:
         return
     init = getattr(loader, "worker_init_fn", None)
     if not isinstance(init, WorkerShield):

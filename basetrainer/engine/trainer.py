@@ -11,7 +11,7 @@ from basetrainer.dataloader import loader as data
 from basetrainer.engine import inference, resume
 from basetrainer.engine.engine import Engine
 from basetrainer.models import sync_batchnorm
-from basetrainer.runtime import comm, sharding
+from basetrainer.runtime import comm, fsdp_build, sharding
 from basetrainer.runtime.modules import ModelWithLoss
 from basetrainer.utils import setup_config, torch_tools
 
@@ -73,6 +73,7 @@ class EngineTrainer(Engine):
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.channels_last = bool(cfg.channels_last)
         self._compile_checked = not cfg.compile
+        self._model_build: Optional[fsdp_build.BuildAttempt] = None   # while build_model runs (fsdp: for shard)
         self.num_steps = 0      # train batches per epoch (len(train_loader)), not optimizer steps
         self.num_samples = 0    # training samples (the whole data set, all processes)
         self.is_main_process = comm.is_main_process()
@@ -130,7 +131,11 @@ class EngineTrainer(Engine):
             self.num_samples = len(dataset) if dataset is not None else self.num_steps * cfg.batch_size
             data.check_equal_lengths(self.train_loader)
         # fsdp: ranks but 0 build on the meta device where the model allows (fsdp_meta_init)
-        self.model = sharding.construct(self.cfg, lambda: self.build_model(cfg, **kwargs))
+        self._model_build = fsdp_build.BuildAttempt()   # build_model_parallel hands it to shard()
+        try:
+            self.model = fsdp_build.construct(self.cfg, lambda: self.build_model(cfg, **kwargs), self._model_build)
+        finally:
+            self._model_build = None
         self.criterion = self.build_criterion(cfg, **kwargs)
         self.optimizer = self.build_optimizer(cfg, **kwargs)
         if self.model is None:
@@ -215,7 +220,7 @@ class EngineTrainer(Engine):
         DDP when a process group exists (``device_ids`` on GPU, none on CPU; ``sync_bn`` and
         ``find_unused_parameters`` from the config or keywords), DataParallel for several GPUs
         in one process, else the bare model on ``self.device``. With ``strategy: fsdp``
-        (``sync_bn`` too): the blocks and the root sharded by FSDP2 (:func:`basetrainer.runtime.sharding.shard`; the
+        (``sync_bn`` too): the blocks and the root sharded by FSDP2 (:func:`basetrainer.runtime.fsdp_build.shard`; the
         blocks: ``wrap_policy``, else ``fsdp_wrap``, else the model's repeated blocks).
         """
         gpu_id = list(kwargs.pop("device_ids", None) or (self.gpu_id if gpu_id is None else gpu_id) or [])
@@ -225,7 +230,7 @@ class EngineTrainer(Engine):
                 model = model.to(memory_format=torch.channels_last)
             if sync_bn and comm.get_world_size() > 1:
                 model = self._sync_batchnorm(model)
-            return sharding.shard(model, self.device, self.cfg, policy=self.wrap_policy)
+            return fsdp_build.shard(model, self.device, self.cfg, policy=self.wrap_policy, attempt=self._model_build)
         find_unused = kwargs.pop("find_unused_parameters", self.cfg.get("find_unused_parameters", False))
         model = model.to(self.device)
         if self.channels_last:

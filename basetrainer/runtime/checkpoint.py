@@ -9,16 +9,15 @@ files only after it, so no crash loses a file that ``last.pth`` refers to.
 """
 import logging
 import os
-import pickle
 import random
 import re
-import zipfile
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from basetrainer.runtime import atomic, sharded, sharding
+from basetrainer.runtime import atomic, shard_folders, sharding
+from basetrainer.runtime.safe_load import crc_errors, load_file, non_finite  # noqa: F401 (their names here too)
 
 logger = logging.getLogger(__name__)
 
@@ -28,67 +27,6 @@ DAMAGED = ".damaged"   # a last.pth that did not load, set aside beside the fall
 
 
 # ----------------------------------------------------------------------------- loading
-def load_file(path: str, map_location: Any = "cpu") -> Any:
-    """Load a ``.pth`` with ``weights_only=True``; every failure names the file and the problem.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: the file is truncated, damaged (a record differs from its stored CRC-32),
-            not a torch file, or carries pickled code (refused).
-    """
-    if not path or not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path!r} does not exist; check the path "
-                                f"(finetune/resume/pretrained keys)")
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"checkpoint file {path!r} is empty (0 bytes): it was not written completely")
-    bad = crc_errors(path)
-    if bad:   # a changed byte of a weight would load as another finite value
-        raise ValueError(f"checkpoint file {path!r} is damaged: {', '.join(bad[:3])} "
-                         f"{'does' if len(bad) == 1 else 'do'} not match the CRC-32 stored when it was written "
-                         f"(torch.load does not check it); use another copy (e.g. last.prev.pth)")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        # every weights-only failure mentions "weights_only"; only a blocked GLOBAL is pickled code
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        detail = next((line for line in lines if "unsupported" in line.lower()), lines[0] if lines else "")
-        if "unsupported global" in str(e).lower():
-            raise ValueError(f"refused to load {path!r}: it holds pickled Python objects that would run "
-                             f"code when loaded (only tensors, numbers, strings, lists and dicts are "
-                             f"accepted). Re-save it as a plain state_dict. Details: {detail}"
-                             ) from None
-        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file ({detail})") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def crc_errors(source: Any) -> List[str]:
-    """The records of a torch file (a path or a binary file object) whose bytes differ from the
-    CRC-32 torch's writer stored for them; torch.load never checks these, so a flipped bit in a
-    weight loads as another finite value. Records stored without a checksum (CRC 0, torch's
-    ``set_crc32_options(False)``) and files that are not zip archives (torch's legacy format)
-    are not checked. About 1 GB/s."""
-    try:
-        archive = zipfile.ZipFile(source)
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return []
-    bad = []
-    with archive:
-        for info in archive.infolist():
-            if info.CRC == 0:
-                continue
-            try:
-                with archive.open(info) as f:
-                    while f.read(1 << 22):
-                        pass
-            except zipfile.BadZipFile:
-                bad.append(info.filename.split("/", 1)[-1])
-            except (OSError, EOFError, RuntimeError, NotImplementedError):
-                return bad   # a broken archive: torch.load's own error says so
-    return bad
-
-
 def extract_state_dict(obj: Any, source: str = "checkpoint") -> Dict[str, torch.Tensor]:
     """The model weights inside a loaded file (a state_dict, or a checkpoint's ``model`` or
     ``state_dict`` entry), without a DataParallel/DDP ``module.`` prefix."""
@@ -97,7 +35,7 @@ def extract_state_dict(obj: Any, source: str = "checkpoint") -> Dict[str, torch.
     elif isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        if isinstance(obj, dict) and any(isinstance(v, str) and v.startswith(sharded.MARKER) for v in obj.values()):
+        if isinstance(obj, dict) and any(isinstance(v, str) and v.startswith(shard_folders.MARKER) for v in obj.values()):
             raise ValueError(f"{source} is a sharded checkpoint's last.pth (its tensors are in its shard folder): "
                              f"load a best/per-epoch weights file, or make one file of it with "
                              f"python -m basetrainer.runtime.sharded <its last.pth> <out.pth>")
@@ -109,23 +47,6 @@ def extract_state_dict(obj: Any, source: str = "checkpoint") -> Dict[str, torch.
 
 def is_resumable(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("format") == FORMAT
-
-
-def non_finite(weights: Dict[str, torch.Tensor]) -> List[str]:
-    """Names of the floating-point tensors of ``weights`` holding NaN or inf (one host sync)."""
-    by_device: Dict[torch.device, List[str]] = {}
-    for k, v in weights.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            by_device.setdefault(v.device, []).append(k)
-    bad = []
-    for names in by_device.values():
-        # a sum is NaN or inf when any entry is (about 20x faster than isfinite(t).all() over
-        # every tensor); a finite tensor whose sum overflows is told apart by the exact check
-        sums = [weights[k].sum(dtype=torch.float64 if weights[k].dtype == torch.float64 else torch.float32)
-                for k in names]
-        flags = torch.isfinite(torch.stack(sums)).tolist()
-        bad += [k for k, ok in zip(names, flags) if not ok and not bool(torch.isfinite(weights[k]).all())]
-    return bad
 
 
 # ----------------------------------------------------------------------------- random generators
@@ -350,7 +271,7 @@ class CheckpointFolder:
                 if bad:
                     raise ValueError(f"{path!r} holds non-finite weights ({', '.join(bad[:3])})")
                 if state.get("shards"):
-                    sharded.check(state, self.folder)
+                    shard_folders.check(state, self.folder)
             except ValueError as e:
                 damaged.append(str(e))
                 self._last_damaged = self._last_damaged or path == self.last
@@ -412,10 +333,10 @@ class CheckpointFolder:
             self._last_damaged, keep = False, None
             if os.path.exists(self.last):
                 damaged = atomic.set_aside(self.last, DAMAGED)   # never over an earlier one
-                shards = sharded.referenced(self.folder, (os.path.basename(damaged),))
+                shards = shard_folders.referenced(self.folder, (os.path.basename(damaged),))
                 logger.warning("moved the damaged %s to %s%s; %s stays", self.last, damaged,
                                f" (its shards stay in {shards[0]})" if shards else "", self.previous)
-                if not shards and sharded.has_shard_folders(self.folder):
+                if not shards and shard_folders.has_shard_folders(self.folder):
                     logger.warning("%s cannot be read, so which shard folder is its is unknown: the next save "
                                    "removes the shard folders no readable checkpoint refers to", damaged)
 
@@ -430,10 +351,10 @@ class CheckpointFolder:
                 self.committed = what
             for cleanup in cleanups:
                 cleanup()
-            if target == self.last and (saved.get("shards") or sharded.has_shard_folders(self.folder)):
+            if target == self.last and (saved.get("shards") or shard_folders.has_shard_folders(self.folder)):
                 # shard folders no last refers to any more (also after a switch from fsdp to ddp)
                 # (a damaged last.pth set aside keeps its shards: the evidence, and the other ranks' good ones)
-                sharded.remove_unreferenced(self.folder, sharded.referenced(self.folder, (LAST, PREVIOUS)
+                shard_folders.remove_unreferenced(self.folder, shard_folders.referenced(self.folder, (LAST, PREVIOUS)
                                                                             + self.damaged_files()))
 
         if background:

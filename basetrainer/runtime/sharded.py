@@ -12,28 +12,29 @@ A sharded ``last`` is two things in the checkpoint folder:
   during a save leaves the previous ``last.pth`` and its folder loadable.
 
 ``last.prev.pth`` keeps the ``last`` before, with its folder; folders neither refers to are
-removed after each save. Loading reshards: the templates are made for the current world size
-from the metadata, so a checkpoint saved by N processes resumes on any number.
+removed after each save (the folders' names, markers and checks:
+:mod:`basetrainer.runtime.shard_folders`). Loading reshards: the templates are made for the
+current world size from the metadata, so a checkpoint saved by N processes resumes on any number.
 
 The weights-only promise holds here too: the shards are read through
 :mod:`basetrainer.runtime.shard_io`, which refuses metadata or items that would run code.
 """
-import io
 import logging
 import os
 import shutil
-import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from basetrainer.runtime import atomic, comm, shard_io
-from basetrainer.runtime.shard_io import UnsafeCheckpointError, failure, read_metadata, write_shards
+from basetrainer.runtime.checkpoint import capture, describe
+from basetrainer.runtime.safe_load import load_file, non_finite
+# the folders' names and checks live below checkpoint.py (its folder keeps them); PREFIX and
+# check stay reachable here too, where tests/test_checkpoint_crc.py and test_disk_full.py use them
+from basetrainer.runtime.shard_folders import MARKER, PREFIX, check, markers, new_name  # noqa: F401
+from basetrainer.runtime.shard_io import failure, read_metadata, write_shards
 
 logger = logging.getLogger(__name__)
-
-MARKER = "dcp:"
-PREFIX = "last-shards-"
 
 
 # ----------------------------------------------------------------------------- split and join
@@ -62,23 +63,6 @@ def split(state: Any, prefix: str = "") -> Tuple[Any, Dict[str, Any]]:
     return walk(state, prefix), tensors
 
 
-def markers(rest: Any) -> List[str]:
-    found: List[str] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-        elif isinstance(value, str) and value.startswith(MARKER):
-            found.append(value[len(MARKER):])
-
-    walk(rest)
-    return found
-
-
 def join(rest: Any, tensors: Dict[str, Any]) -> Any:
     if isinstance(rest, dict):
         return {k: join(v, tensors) for k, v in rest.items()}
@@ -91,18 +75,8 @@ def join(rest: Any, tensors: Dict[str, Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------- saving
-def new_name(step: int, path: Optional[str] = None) -> str:
-    """A fresh shard folder name (rank 0 picks it; every rank receives it): ``last-shards-...``
-    for ``last.pth``, which saves clean up after; ``<name>-shards-...`` for a save to another
-    ``path`` (a snapshot: kept)."""
-    stem = PREFIX if path is None or os.path.basename(path) == "last.pth" else os.path.basename(path) + "-shards-"
-    return comm.broadcast_object(f"{stem}{int(step):08d}-{uuid.uuid4().hex[:8]}" if comm.is_main_process() else None)
-
-
 def non_finite_local(tensors: Dict[str, Any]) -> List[str]:
     """Names of the sharded tensors whose local shard holds NaN or inf, on any rank."""
-    from basetrainer.runtime.checkpoint import non_finite
-
     local = {k: v.to_local() for k, v in tensors.items()}
     bad = non_finite(local)
     everywhere = comm.all_gather_object(bad)
@@ -111,8 +85,6 @@ def non_finite_local(tensors: Dict[str, Any]) -> List[str]:
 
 def _points_at(path: str, name: str) -> bool:
     """Whether the checkpoint file ``path`` refers to the shard folder ``name``."""
-    from basetrainer.runtime.checkpoint import load_file
-
     try:
         state = load_file(path)
     except (OSError, ValueError):
@@ -120,65 +92,7 @@ def _points_at(path: str, name: str) -> bool:
     return isinstance(state, dict) and state.get("shards") == name
 
 
-def referenced(folder: str, names: Tuple[str, ...]) -> List[str]:
-    """Shard folders the files ``names`` of ``folder`` refer to."""
-    from basetrainer.runtime.checkpoint import load_file
-
-    found = []
-    for name in names:
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            try:
-                state = load_file(path)
-            except ValueError:
-                continue
-            if isinstance(state, dict) and state.get("shards"):
-                found.append(str(state["shards"]))
-    return found
-
-
-def has_shard_folders(folder: str) -> bool:
-    return os.path.isdir(folder) and any(n.startswith(PREFIX) for n in os.listdir(folder))
-
-
-def remove_unreferenced(folder: str, keep: List[str]) -> None:
-    """Delete the shard folders of ``folder`` that no ``last`` refers to (main process)."""
-    for name in os.listdir(folder):
-        if name.startswith(PREFIX) and name not in keep and os.path.isdir(os.path.join(folder, name)):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-
-
 # ----------------------------------------------------------------------------- loading
-def check(state: dict, folder: str) -> None:
-    """Raise ValueError when the shards ``state`` refers to are missing, damaged or unsafe:
-    the metadata is read safely and every stored tensor is checked against the CRC-32 torch
-    stored with it, loaded (``weights_only``, one at a time) and checked to be finite."""
-    from basetrainer.runtime.checkpoint import crc_errors, non_finite
-
-    shards = os.path.join(folder, str(state["shards"]))
-    metadata = read_metadata(shards)
-    absent = [k for k in markers(state) if k not in metadata.state_dict_metadata]
-    if absent:
-        raise ValueError(f"sharded checkpoint {shards!r} lacks {absent[:3]}")
-    for index, item in (metadata.storage_data or {}).items():
-        with open(os.path.join(shards, str(item.relative_path)), "rb") as f:
-            f.seek(item.offset)
-            data = f.read(item.length)
-        bad = crc_errors(io.BytesIO(data))
-        if bad:   # a changed byte of a weight would load as another finite value
-            raise ValueError(f"sharded checkpoint {shards!r}: {item.relative_path} is damaged ({index.fqn}: its "
-                             f"bytes do not match the CRC-32 stored when they were written)")
-        try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"sharded checkpoint {shards!r}: {item.relative_path} is damaged ({index.fqn}: "
-                             f"{type(e).__name__})") from None
-        if not isinstance(tensor, torch.Tensor):
-            raise UnsafeCheckpointError(f"refused to load {shards!r}: {index.fqn} is not a tensor")
-        if non_finite({index.fqn: tensor}):
-            raise ValueError(f"sharded checkpoint {shards!r} holds non-finite values in {index.fqn}")
-
-
 def load(state: dict, folder: str, mesh: Any = None) -> dict:
     """``state`` with every ``"dcp:<key>"`` replaced by the tensor read from its shards: a
     DTensor sharded over ``mesh`` (dim 0, as ``fully_shard`` shards), or a whole tensor when
@@ -221,8 +135,6 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
             every rank, the same one, and the new shards are removed (the previous save stays).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from basetrainer.runtime.checkpoint import capture, describe
 
     state = capture(engine, rngs)
     rest, tensors = split(state)
@@ -282,8 +194,6 @@ def consolidate(last: str, out: str) -> str:
     ``model/<name>`` (not a state dict finetune or pruning load), and ``torch.save``s straight to
     the final path (a crash leaves a partial file there; ours is atomic).
     """
-    from basetrainer.runtime.checkpoint import load_file
-
     if os.path.isdir(last):   # a checkpoint folder: its last.pth
         last = os.path.join(last, "last.pth")
     state = load_file(last)

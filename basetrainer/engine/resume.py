@@ -86,8 +86,8 @@ def claim_work_dir(cfg: Any) -> None:
 def _previous_files(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
     """Files of an earlier run in this run's folders (checkpoints, logs)."""
     files: List[str] = []
-    for cb in trainer.callbacks or []:
-        files += list(getattr(cb, "run_files", lambda: [])())
+    for cb in trainer.checkpointer.callbacks():
+        files += list(cb.run_files())
     if folder is not None:
         files += [p for p in (folder.last, folder.previous) if os.path.exists(p)]
     return sorted(set(files))
@@ -95,8 +95,8 @@ def _previous_files(trainer: Any, folder: Optional[checkpoint.CheckpointFolder])
 
 def _folders(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
     found = [folder.folder] if folder is not None else []
-    for cb in trainer.callbacks or []:
-        found += [f for f in (getattr(cb, "model_dir", None), getattr(cb, "log_dir", None)) if f]
+    for cb in trainer.checkpointer.callbacks():
+        found += [f for f in cb.run_folders() if f]
     return sorted(set(found))
 
 
@@ -234,11 +234,12 @@ def _continue(trainer: Any, folder: Optional[str], path: str, state: dict) -> St
 
 
 def _owned(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> bool:
-    """Whether a ModelCheckpoint writes to ``folder`` (then it is marked as this run's when the run
-    starts; a bare ``<work_dir>/model`` only gets a file if a preemption saves one)."""
+    """Whether a callback keeps the run's checkpoints in ``folder`` (a ModelCheckpoint: then it is
+    marked as this run's when the run starts; a bare ``<work_dir>/model`` only gets a file if a
+    preemption saves one)."""
     return folder is not None and any(
-        getattr(c, "model_dir", None) and os.path.abspath(c.model_dir) == os.path.abspath(folder.folder)
-        for c in trainer.callbacks or [])
+        c.last_checkpoint_dir() and os.path.abspath(c.last_checkpoint_dir()) == os.path.abspath(folder.folder)
+        for c in trainer.checkpointer.callbacks())
 
 
 def prepare_run(trainer: Any) -> None:

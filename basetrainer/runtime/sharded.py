@@ -210,9 +210,9 @@ def load(state: dict, folder: str, mesh: Any = None) -> dict:
     return join(state, templates)
 
 
-def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None) -> None:
-    """Save ``engine``'s state as a sharded ``last`` in ``folder`` (a CheckpointFolder); every
-    rank calls it. The staged files (best and per-epoch weights) get the whole weights, gathered
+def save(engine: Any, folder: Any, state: dict, path: Optional[str] = None) -> None:
+    """Save ``state`` (``engine``'s checkpoint, its sharded tensors in it) as a sharded ``last``
+    in ``folder`` (a CheckpointFolder); every rank calls it. The staged files (best and per-epoch weights) get the whole weights, gathered
     to the main process on the CPU (no rank gathers the optimizer state).
 
     Raises:
@@ -222,9 +222,8 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from basetrainer.runtime.checkpoint import capture, describe
+    from basetrainer.runtime.checkpoint import describe
 
-    state = capture(engine, rngs)
     rest, tensors = split(state)
     bad = non_finite_local(tensors)
     if bad:

@@ -6,45 +6,23 @@ which the loop moves on; the saves (asked for the epoch's end, written now, or w
 of an accumulation window); the start point of a run (``start_epoch``, the batches of it already
 trained, the phase it starts at), computed from a position by one function
 (:meth:`Checkpointer.start_after`); a loaded checkpoint's random generators, put back when
-the run reaches its point; and the run's registry of stateful objects (:meth:`Checkpointer.registry`,
-see :mod:`basetrainer.engine.registry`), which a save and a resume each pass over once. Which
-checkpoint a run continues from is decided by :mod:`basetrainer.engine.resume` (a :class:`Start`);
-how checkpoint files are written, found and loaded is :mod:`basetrainer.runtime.checkpoint`.
+the run reaches its point; and the run's registry of stateful objects
+(:meth:`Checkpointer.registry`, see :mod:`basetrainer.engine.registry`), which a save and a
+resume each pass over once. Which checkpoint a run continues from is decided by
+:mod:`basetrainer.engine.resume` (a :class:`~basetrainer.engine.resume.Start`); how checkpoint
+files are written, found and loaded is :mod:`basetrainer.runtime.checkpoint`.
 """
-import dataclasses
 import operator
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from basetrainer.dataloader import loader as loaders
 from basetrainer.engine.guard import NonFiniteGuard
-from basetrainer.engine.registry import CallbackStates, Fields, RandomState, Registry, Value
+from basetrainer.engine.registry import CallbackStates, Fields, RandomState, Registry, Value, Weights
 from basetrainer.runtime import atomic, checkpoint, comm, sharded, sharding
-from basetrainer.utils import torch_tools
 
 
-POSITION = ("epoch", "phase", "epoch_complete", "batch", "global_step")   # a checkpoint's keys of it
-
-
-@dataclasses.dataclass
-class Start:
-    """How a run starts, as :mod:`basetrainer.engine.resume` decided it (every rank gets it)."""
-
-    folder: Optional[str] = None        # the run's checkpoint folder (None: it has none)
-    run_id: Optional[str] = None
-    path: Optional[str] = None          # the checkpoint the run continues from (None: a new run)
-    state: Optional[dict] = None        # that checkpoint's content
-    fork: bool = False                  # a new run from another run's checkpoint
-    again: bool = False                 # run() again on this engine: on from where the last one ended
-
-    @property
-    def stopped(self) -> bool:
-        """The run continued had stopped (``stop_training``, e.g. EarlyStopping): nothing more is trained."""
-        return bool(self.state and self.state.get("stopped")) and not self.fork
-
-    def public(self) -> "Start":
-        """What the main process sends the other ranks (they load the checkpoint themselves)."""
-        return dataclasses.replace(self, state=None)
+POSITION = ("run_id", "epoch", "phase", "epoch_complete", "batch", "global_step", "logs")   # a checkpoint's keys
 
 
 def delegated(name: str, settable: bool = False) -> property:
@@ -55,6 +33,22 @@ def delegated(name: str, settable: bool = False) -> property:
 
     return property(operator.attrgetter(f"checkpointer.{name}"), set_value if settable else None,
                     doc=f"``self.checkpointer.{name}`` (see :class:`Checkpointer`).")
+
+
+class CheckpointerNames:
+    """The engine's names for its checkpointer's fields and methods (the names callbacks use)."""
+
+    epoch = delegated("epoch", settable=True)
+    phase = delegated("phase", settable=True)                    # train | test | end
+    batch_in_epoch = delegated("batch_in_epoch", settable=True)  # train steps done in the epoch
+    global_step = delegated("global_step", settable=True)        # optimizer steps taken so far
+    start_epoch = delegated("start_epoch", settable=True)        # where the next run() starts
+    run_id = delegated("run_id", settable=True)
+    epoch_complete = delegated("epoch_complete")
+    checkpoint_folder = delegated("folder")
+    request_checkpoint = delegated("request")
+    state_dict = delegated("state_dict")
+    load_state_dict = delegated("load")
 
 
 class Checkpointer:
@@ -177,59 +171,36 @@ class Checkpointer:
         scaler = engine.scaler
         return Registry({
             "format": Value("format", lambda: checkpoint.FORMAT),
-            "run": Value("run_id", lambda: self.run_id, self._set_run_id),
-            "position": Fields(POSITION, self._position, self._go_to),
+            "position": Fields(POSITION, self._position, self._go_to),   # where the run is, its figures there
             "sampler": Value("epoch_plan", self.epoch_plan),   # the epoch's batches (resume.py checks them)
-            "model": Fields(("model", "optimizer"), self._weights, self._load_weights),
+            "model": Weights(engine),   # and the optimizer
             "scaler": Value("scaler", lambda: scaler.state_dict() if scaler is not None else {},
                             scaler.load_state_dict if scaler is not None else None),
             "callbacks": CallbackStates(self.callbacks()),
             "rng": RandomState(checkpoint.rng_state, self._set_pending_rng),
             "world": Value("world_size", lambda: int(getattr(engine, "world_size", 1) or 1)),
             "config": Value("config", lambda: checkpoint.plain(dict(engine.cfg)) if engine.cfg is not None else {}),
-            "logs": Value("logs", lambda: {k: v for k, v in engine.logs.items()
-                                           if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                          self._set_restored_logs),
             "stopped": Value("stopped", lambda: bool(engine.stop_training)),   # e.g. EarlyStopping ended the run
         })
 
     def _position(self) -> Dict[str, Any]:
-        return {"epoch": int(self.epoch), "phase": self.phase,   # train (inside the epoch) | test | end
+        return {"run_id": self.run_id, "epoch": int(self.epoch),
+                "phase": self.phase,   # train (inside the epoch) | test | end
                 "epoch_complete": self.phase == "end", "batch": int(self.batch_in_epoch),
-                "global_step": int(self.global_step)}
+                "global_step": int(self.global_step),
+                "logs": {k: v for k, v in self.engine.logs.items() if isinstance(v, (int, float))
+                         and not isinstance(v, bool)}}
 
     def _go_to(self, state: dict, source: str) -> None:
         position = checkpoint.position(state)
         self.start_after(*position)
         self.global_step = int(state.get("global_step", 0))
+        self.restored_logs = dict(state.get("logs") or {})
+        self.run_id = state.get("run_id") or self.run_id
         self._saved_at = (*position, self.global_step)
-
-    def _weights(self) -> Dict[str, Any]:
-        model, optimizer = self.engine.unwrapped_model, self.engine.optimizer
-        if sharding.is_fsdp(model):   # sharded: by parameter name, DTensors (see basetrainer.runtime.sharded)
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-            return {"model": get_model_state_dict(model),
-                    "optimizer": get_optimizer_state_dict(model, optimizer) if optimizer is not None else {}}
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else {}}
-
-    def _load_weights(self, state: dict, source: str) -> None:
-        engine = self.engine
-        if state.get("shards") or sharding.is_fsdp(engine.unwrapped_model):
-            sharding.load_state(engine.unwrapped_model, engine.optimizer, state, full=not state.get("shards"))
-            return
-        torch_tools.load_weights(engine.model, state["model"], strict=True, source=source)
-        if engine.optimizer is not None and state.get("optimizer"):
-            engine.optimizer.load_state_dict(state["optimizer"])
-
-    def _set_run_id(self, run_id: str) -> None:
-        self.run_id = run_id
 
     def _set_pending_rng(self, state: dict) -> None:
         self._pending_rng = state
-
-    def _set_restored_logs(self, logs: dict) -> None:
-        self.restored_logs = dict(logs)
 
     # ----------------------------------------------------------------------------- restoring
     def load(self, state: dict, source: str = "checkpoint") -> Tuple[int, str, int]:
@@ -246,13 +217,12 @@ class Checkpointer:
         if state.get("shards"):   # a sharded checkpoint: read (and reshard) the tensors it refers to
             state = sharded.load(state, os.path.dirname(os.path.abspath(source)),
                                  sharding.mesh_of(self.engine.unwrapped_model))
-        self.restored_logs = {}
         self.registry().load_state_dict(state, source)
         return checkpoint.position(state)
 
-    def start(self, plan: Start) -> None:
-        """Start a run as :mod:`basetrainer.engine.resume` decided: in its folder, from its
-        checkpoint (or, for ``run()`` again, from where the last run ended)."""
+    def start(self, plan: Any) -> None:
+        """Start a run as :mod:`basetrainer.engine.resume` decided (its ``Start``): in its folder,
+        from its checkpoint (or, for ``run()`` again, from where the last run ended)."""
         self._chosen = plan.folder
         if plan.again:
             self.start_after(self.epoch, self.phase, self.batch_in_epoch)

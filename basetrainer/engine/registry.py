@@ -16,7 +16,8 @@ import logging
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from basetrainer.runtime import comm
+from basetrainer.runtime import comm, sharding
+from basetrainer.utils import torch_tools
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,35 @@ class Fields(Part):
 
     def load_state_dict(self, state: Dict[str, Any], source: str) -> None:
         self.put(state, source)
+
+
+class Weights(Part):
+    """The model's and the optimizer's state (``"model"``, ``"optimizer"``): ``state_dict()``s
+    of the unwrapped model; under fsdp by parameter name, sharded (DTensors, see
+    :mod:`basetrainer.runtime.sharded`). A one-file checkpoint loads into a sharded model too."""
+
+    keys = ("model", "optimizer")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> Dict[str, Any]:
+        model, optimizer = self.engine.unwrapped_model, self.engine.optimizer
+        if sharding.is_fsdp(model):
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            return {"model": get_model_state_dict(model),
+                    "optimizer": get_optimizer_state_dict(model, optimizer) if optimizer is not None else {}}
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else {}}
+
+    def load_state_dict(self, state: Dict[str, Any], source: str) -> None:
+        engine = self.engine
+        if state.get("shards") or sharding.is_fsdp(engine.unwrapped_model):
+            sharding.load_state(engine.unwrapped_model, engine.optimizer, state, full=not state.get("shards"))
+            return
+        torch_tools.load_weights(engine.model, state["model"], strict=True, source=source)
+        if engine.optimizer is not None and state.get("optimizer"):
+            engine.optimizer.load_state_dict(state["optimizer"])
 
 
 class RandomState(Part):

@@ -238,17 +238,25 @@ def checked(callbacks: List[Any]) -> List["Callback"]:
             raise TypeError(f"callbacks[{i}] is a {type(cb).__name__}, not a Callback: subclass "
                             f"basetrainer.Callback (from basetrainer.callbacks.callbacks import Callback); it "
                             f"declares every event and the state a checkpoint saves, with neutral defaults")
-        kind = type(cb)
-        if kind in seen:
-            continue
-        seen.add(kind)
-        for name in sorted(n for klass in kind.__mro__ if klass is not Callback and klass is not object
-                           for n in vars(klass) if not n.startswith("_") and n not in DECLARED):
-            close = difflib.get_close_matches(name, DECLARED, n=1, cutoff=0.8)
-            if close:
+        if type(cb) not in seen:
+            seen.add(type(cb))
+            for name, meant in misspellings(type(cb)):
                 _logger.warning("callback %s defines %s(), which the engine never calls: did you mean %s()? "
-                                "(%s is the name the engine uses)", kind.__name__, name, close[0], close[0])
+                                "(%s is the name the engine uses)", type(cb).__name__, name, meant, meant)
     return callbacks
+
+
+def misspellings(kind: type) -> List[Tuple[str, str]]:
+    """``(name, declared name)`` for each public name a Callback subclass defines that is close
+    to, but not, a name the engine calls (``state_dic`` -> ``state_dict``)."""
+    names = sorted({n for klass in kind.__mro__ if klass is not Callback and klass is not object
+                    for n in vars(klass) if not n.startswith("_") and n not in DECLARED})
+    out = []
+    for name in names:
+        close = difflib.get_close_matches(name, DECLARED, n=1, cutoff=0.8)
+        if close:
+            out.append((name, close[0]))
+    return out
 
 
 def resolve_indicator(indicator: str, trainer: Any) -> str:

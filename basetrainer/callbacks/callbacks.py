@@ -1,5 +1,7 @@
-"""The :class:`Callback` base class: the events of the loop, in the order the engine calls them;
-and :class:`CallbackList`, the one dispatcher of those events."""
+"""The :class:`Callback` base class: the events of the loop, in the order the engine calls them,
+and what a callback declares to the run (its state, its files); and :class:`CallbackList`, the one
+dispatcher of those events."""
+import difflib
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -39,6 +41,15 @@ class Callback:
     ``self.trainer.stop_training = True`` to end training after the current epoch.
 
     The signatures are those of Pytorch-Base-Trainer, so callbacks written for it keep working.
+
+    What a callback holds and owns is declared by the methods below (each with a neutral
+    default, so a callback with no state needs none of them): :attr:`state_key`,
+    :meth:`state_dict`, :meth:`load_state_dict` and :meth:`prepare_state` (its part of a
+    resumable checkpoint); :meth:`last_checkpoint_dir`, :meth:`run_folders` and
+    :meth:`run_files` (the folders and files it writes, which a new run must not write over);
+    :meth:`test_weights` and :meth:`mode_of` (what it tells the callbacks beside it). The engine
+    never looks for other names: a method whose name is close to one of these (``state_dic``)
+    is named in a warning when the run starts.
 
     Example::
 
@@ -95,6 +106,32 @@ class Callback:
         """Called on every rank just before a checkpoint reads :meth:`state_dict` (the main
         process's): the place for collectives, e.g. summing per-rank partial figures."""
 
+    def last_checkpoint_dir(self) -> Optional[str]:
+        """The folder where this callback wants the run's resumable ``last.pth`` (ModelCheckpoint:
+        its ``model_dir``); None (the default): it keeps no checkpoints."""
+        return None
+
+    def run_folders(self) -> List[str]:
+        """The folders this callback writes the run's files to: checked writable, and cleared of
+        killed writes' temp files, when a run starts."""
+        return []
+
+    def run_files(self) -> List[str]:
+        """The files of an earlier run in :meth:`run_folders` that this callback would write
+        over (a new run there is refused, or moves them aside with ``overwrite``)."""
+        return []
+
+    def test_weights(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The weights the test phase runs on when this callback swaps others in for it
+        (ModelEMA's average), so that weights files hold what gave a test figure; None: the live
+        weights. Every rank calls it."""
+        return None
+
+    def mode_of(self, key: str) -> Optional[str]:
+        """``"max"``/``"min"`` for the figure ``logs[key]`` when this callback writes it and
+        knows which way is better; None otherwise."""
+        return None
+
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         pass
 
@@ -141,18 +178,15 @@ class CallbackList:
     """
 
     def __init__(self, callbacks: Sequence[Any], trainer: Any) -> None:
-        self.callbacks = [c for c in callbacks if c is not None]
+        self.callbacks = checked([c for c in callbacks if c is not None])
         for cb in self.callbacks:
-            if hasattr(cb, "set_trainer"):
-                cb.set_trainer(trainer)
-            elif hasattr(cb, "set_model"):
-                cb.set_model(trainer.model)
+            cb.set_trainer(trainer)
         # per event, only the callbacks that implement it (an empty base method costs a call)
         self.handlers: Dict[str, List[Tuple[str, Any]]] = {}
         for event in EVENTS:
             base = getattr(Callback, event)
             self.handlers[event] = [(type(cb).__name__, getattr(cb, event)) for cb in self.callbacks
-                                    if getattr(type(cb), event, base) is not base and hasattr(cb, event)]
+                                    if getattr(type(cb), event) is not base]
 
     def call(self, event: str, *args: Any) -> None:
         """Call ``event`` on every callback in list order; a failure names the callback."""
@@ -183,6 +217,48 @@ class CallbackList:
             raise first
 
 
+# what a callback declares (a method of a subclass named close to one of these is a misspelling)
+DECLARED = EVENTS + ("state_key", "state_dict", "load_state_dict", "prepare_state", "last_checkpoint_dir",
+                     "run_folders", "run_files", "test_weights", "mode_of", "set_trainer", "set_model")
+
+
+def checked(callbacks: List[Any]) -> List["Callback"]:
+    """``callbacks``, each a :class:`Callback`; a method named close to one the engine calls
+    (``state_dic``, ``on_epoch_ends``) is named in a warning, once per class and list: the engine
+    calls only the declared names, so that method would never run (its state never saved). A
+    warning, not an error: a helper method may have such a name on purpose, and callbacks written
+    for the original API must keep running.
+
+    Raises:
+        TypeError: an entry that is not a :class:`Callback`.
+    """
+    seen = set()
+    for i, cb in enumerate(callbacks):
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks[{i}] is a {type(cb).__name__}, not a Callback: subclass "
+                            f"basetrainer.Callback (from basetrainer.callbacks.callbacks import Callback); it "
+                            f"declares every event and the state a checkpoint saves, with neutral defaults")
+        if type(cb) not in seen:
+            seen.add(type(cb))
+            for name, meant in misspellings(type(cb)):
+                _logger.warning("callback %s defines %s(), which the engine never calls: did you mean %s()? "
+                                "(%s is the name the engine uses)", type(cb).__name__, name, meant, meant)
+    return callbacks
+
+
+def misspellings(kind: type) -> List[Tuple[str, str]]:
+    """``(name, declared name)`` for each public name a Callback subclass defines that is close
+    to, but not, a name the engine calls (``state_dic`` -> ``state_dict``)."""
+    names = sorted({n for klass in kind.__mro__ if klass is not Callback and klass is not object
+                    for n in vars(klass) if not n.startswith("_") and n not in DECLARED})
+    out = []
+    for name in names:
+        close = difflib.get_close_matches(name, DECLARED, n=1, cutoff=0.8)
+        if close:
+            out.append((name, close[0]))
+    return out
+
+
 def resolve_indicator(indicator: str, trainer: Any) -> str:
     """The ``logs`` key an indicator names.
 
@@ -209,9 +285,8 @@ def mode_of_indicator(indicator: str, trainer: Any) -> Optional[str]:
     if not indicator or trainer is None:
         return None
     key = resolve_indicator(indicator, trainer)
-    for cb in getattr(trainer, "callbacks", None) or []:
-        mode_of = getattr(cb, "mode_of", None)
-        mode = mode_of(key) if callable(mode_of) else None
+    for cb in getattr(trainer, "callbacks", None) or []:   # (a trainer's field, not a callback's)
+        mode = cb.mode_of(key) if cb is not None else None
         if mode in ("max", "min"):
             return mode
     return None

@@ -46,7 +46,7 @@ class EarlyStopping(Callback):
         return f"EarlyStopping:{self.indicator}"
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        if not getattr(self, "_mode_given", True):   # the recorder of the figure knows better than its name
+        if not self._mode_given:   # the recorder of the figure knows better than its name
             self.mode = mode_of_indicator(self.indicator, self.trainer) or infer_mode(self.indicator)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:

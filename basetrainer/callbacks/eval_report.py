@@ -235,14 +235,14 @@ class EvalReport(Callback):
                             writer.add_image(f"eval/{name}", np.asarray(im.convert("RGB")), epoch, dataformats="HWC")
                 writer.flush()
         if self.trackers:
-            sinks = list(getattr(history, "sinks", None) or [])
+            sinks = list(history.sinks) if history is not None else []
             sinks += [c for c in getattr(self.trainer, "callbacks", None) or [] if isinstance(c, Tracker) and c not in sinks]
             folder = "eval" if not self.every_epoch else f"eval/{os.path.basename(out_dir)}"
             for tracker in sinks:
                 tracker.log_artifacts([p for p in files.values() if p], folder)
 
     def _tensorboard(self, history: Any) -> Any:
-        if history is not None and getattr(history, "writer", None) is not None:
+        if history is not None and history.writer is not None:
             return history.writer
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
@@ -250,7 +250,7 @@ class EvalReport(Callback):
             cfg = getattr(self.trainer, "cfg", None)
             work_dir = _get(cfg, "work_dir")
             # no LogHistory: the run's log folder, else beside the report (never the current folder's log/)
-            log_dir = getattr(history, "log_dir", None) or (
+            log_dir = (history.log_dir if history is not None else None) or (
                 os.path.join(work_dir, "log") if work_dir else os.path.join(self.out_dir or "eval", "log"))
             self._writer = SummaryWriter(log_dir=log_dir)
         return self._writer

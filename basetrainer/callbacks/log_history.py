@@ -127,6 +127,9 @@ class LogHistory(Callback):
     def state_key(self) -> str:
         return f"LogHistory:{os.path.basename(os.path.normpath(self.log_dir))}"
 
+    def run_folders(self) -> List[str]:
+        return [self.log_dir]
+
     def run_files(self) -> List[str]:
         """history.csv, history.png and TensorBoard events in ``log_dir`` (an earlier run's, at start)."""
         names = [os.path.join(self.log_dir, n) for n in ("history.csv", "history.png")]

@@ -111,6 +111,12 @@ class ModelCheckpoint(Callback):
     def state_key(self) -> str:
         return f"ModelCheckpoint:{os.path.basename(os.path.normpath(self.model_dir))}:{self.indicator}"
 
+    def last_checkpoint_dir(self) -> Optional[str]:
+        return self.model_dir
+
+    def run_folders(self) -> List[str]:
+        return [self.model_dir]
+
     def run_files(self) -> List[str]:
         """The weights and checkpoint files in this callback's folder (an earlier run's, at start)."""
         return sorted(p for p in glob.glob(os.path.join(self.model_dir, "*.pth")))
@@ -127,7 +133,7 @@ class ModelCheckpoint(Callback):
 
     # ---------------------------------------------------------------- events
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        if not getattr(self, "_mode_given", True):   # the recorder of the figure knows better than its name
+        if not self._mode_given:   # the recorder of the figure knows better than its name
             self.mode = mode_of_indicator(self.indicator, self.trainer) or infer_mode(self.indicator or "")
         sharing = [c for c in getattr(self.trainer, "callbacks", None) or []
                    if isinstance(c, ModelCheckpoint) and os.path.abspath(c.model_dir) == os.path.abspath(self.model_dir)]
@@ -233,8 +239,7 @@ class ModelCheckpoint(Callback):
         if not key.startswith("test/"):
             return None   # a train figure is the live model's
         for cb in getattr(self.trainer, "callbacks", None) or []:
-            test_weights = getattr(cb, "test_weights", None)
-            weights = test_weights() if callable(test_weights) else None
+            weights = cb.test_weights() if cb is not None else None
             if weights is not None:
                 return weights
         return None

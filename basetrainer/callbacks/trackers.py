@@ -153,8 +153,10 @@ class Tracker(Callback):
         """The best weights files of the trainer's ModelCheckpoints (complete on disk once
         :meth:`on_train_end` has waited for the background writes)."""
         found = []
+        from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
         for cb in getattr(self.trainer, "callbacks", None) or []:
-            path = getattr(cb, "best_file", None)
+            path = cb.best_file if isinstance(cb, ModelCheckpoint) else None
             if isinstance(path, str) and os.path.isfile(path):
                 found.append(path)
         return found
@@ -175,7 +177,7 @@ class Tracker(Callback):
         self._guard("starting the run", lambda: self._start(start))
         self._active = not self.failed
         if start and self._active:   # resumed: the epochs before it, where the run lacks them
-            for row in getattr(self.log_history, "rows", None) or []:
+            for row in self.log_history.rows:
                 epoch = int(row.get("epoch", 0))
                 if epoch < start:
                     figures = {k: v for k, v in row.items() if k != "epoch"}

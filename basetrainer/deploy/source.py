@@ -40,7 +40,9 @@ class ModelSource:
 
 def unwrap(model: Any) -> nn.Module:
     """The user's module inside training and averaging wrappers."""
-    if hasattr(model, "ema") and hasattr(model, "trainer") and not isinstance(model, nn.Module):
+    from basetrainer.callbacks.model_ema import ModelEMA
+
+    if isinstance(model, ModelEMA):
         if not model.ema:   # basetrainer's ModelEMA callback: its average, in the trainer's model
             raise ValueError("the ModelEMA callback holds no average yet (training has not started); "
                              "export the trainer's model instead")

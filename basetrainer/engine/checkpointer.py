@@ -5,41 +5,24 @@ It owns the position (``epoch``, ``phase`` train | test | end, ``batch_in_epoch`
 which the loop moves on; the saves (asked for the epoch's end, written now, or waiting for the end
 of an accumulation window); the start point of a run (``start_epoch``, the batches of it already
 trained, the phase it starts at), computed from a position by one function
-(:meth:`Checkpointer.start_after`); and a loaded checkpoint's random generators, put back when
-the run reaches its point. Which checkpoint a run continues from is decided by
-:mod:`basetrainer.engine.resume` (a :class:`Start`); what a checkpoint holds, and how its files
-are written, found and loaded, is :mod:`basetrainer.runtime.checkpoint`.
+(:meth:`Checkpointer.start_after`); a loaded checkpoint's random generators, put back when
+the run reaches its point; and the run's registry of stateful objects
+(:meth:`Checkpointer.registry`, see :mod:`basetrainer.engine.registry`), which a save and a
+resume each pass over once. Which checkpoint a run continues from is decided by
+:mod:`basetrainer.engine.resume` (a :class:`~basetrainer.engine.resume.Start`); how checkpoint
+files are written, found and loaded is :mod:`basetrainer.runtime.checkpoint`.
 """
-import dataclasses
 import operator
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from basetrainer.dataloader import loader as loaders
 from basetrainer.engine.guard import NonFiniteGuard
+from basetrainer.engine.registry import CallbackStates, Fields, RandomState, Registry, Value, Weights
 from basetrainer.runtime import atomic, checkpoint, comm, sharded, sharding
-from basetrainer.utils import torch_tools
 
 
-@dataclasses.dataclass
-class Start:
-    """How a run starts, as :mod:`basetrainer.engine.resume` decided it (every rank gets it)."""
-
-    folder: Optional[str] = None        # the run's checkpoint folder (None: it has none)
-    run_id: Optional[str] = None
-    path: Optional[str] = None          # the checkpoint the run continues from (None: a new run)
-    state: Optional[dict] = None        # that checkpoint's content
-    fork: bool = False                  # a new run from another run's checkpoint
-    again: bool = False                 # run() again on this engine: on from where the last one ended
-
-    @property
-    def stopped(self) -> bool:
-        """The run continued had stopped (``stop_training``, e.g. EarlyStopping): nothing more is trained."""
-        return bool(self.state and self.state.get("stopped")) and not self.fork
-
-    def public(self) -> "Start":
-        """What the main process sends the other ranks (they load the checkpoint themselves)."""
-        return dataclasses.replace(self, state=None)
+POSITION = ("run_id", "epoch", "phase", "epoch_complete", "batch", "global_step", "logs")   # a checkpoint's keys
 
 
 def delegated(name: str, settable: bool = False) -> property:
@@ -50,6 +33,22 @@ def delegated(name: str, settable: bool = False) -> property:
 
     return property(operator.attrgetter(f"checkpointer.{name}"), set_value if settable else None,
                     doc=f"``self.checkpointer.{name}`` (see :class:`Checkpointer`).")
+
+
+class CheckpointerNames:
+    """The engine's names for its checkpointer's fields and methods (the names callbacks use)."""
+
+    epoch = delegated("epoch", settable=True)
+    phase = delegated("phase", settable=True)                    # train | test | end
+    batch_in_epoch = delegated("batch_in_epoch", settable=True)  # train steps done in the epoch
+    global_step = delegated("global_step", settable=True)        # optimizer steps taken so far
+    start_epoch = delegated("start_epoch", settable=True)        # where the next run() starts
+    run_id = delegated("run_id", settable=True)
+    epoch_complete = delegated("epoch_complete")
+    checkpoint_folder = delegated("folder")
+    request_checkpoint = delegated("request")
+    state_dict = delegated("state_dict")
+    load_state_dict = delegated("load")
 
 
 class Checkpointer:
@@ -75,11 +74,10 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------- the folder
     def candidates(self) -> List[str]:
-        """Where ``last.pth`` may go: every ModelCheckpoint's folder, in list order, then
-        ``<work_dir>/model``."""
+        """Where ``last.pth`` may go: the folder each callback declares for it
+        (``last_checkpoint_dir``: every ModelCheckpoint's), in list order, then ``<work_dir>/model``."""
         engine = self.engine
-        found = [c.model_dir for c in engine.callbacks or []
-                 if getattr(c, "model_dir", None) and hasattr(c, "save_last")]
+        found = [c.last_checkpoint_dir() for c in self.callbacks() if c.last_checkpoint_dir()]
         work_dir = getattr(engine.cfg, "get", lambda *_: None)("work_dir")
         found += [os.path.join(work_dir, "model")] if work_dir else []
         return list(dict.fromkeys(found))
@@ -137,15 +135,13 @@ class Checkpointer:
                 atomic.wait_for_writes()
             return folder.last
         engine = self.engine
-        for cb in engine.callbacks or []:   # every rank: callbacks may reduce per-rank state here
-            if hasattr(cb, "prepare_state"):
-                cb.prepare_state()
-        rngs = comm.all_gather_object(checkpoint.rng_state())
+        states = self.registry()
+        states.prepare()   # every rank: callbacks reduce per-rank state, every rank's RNGs are gathered
         target = folder if path is None else checkpoint.CheckpointFolder(os.path.dirname(os.path.abspath(path)))
         if sharding.is_fsdp(engine.model):   # every rank writes its shards (in the foreground)
-            sharded.save(engine, target, rngs, path)
+            sharded.save(engine, target, states.state_dict(), path)
         elif comm.is_main_process():
-            target.commit(self.state_dict(rng=rngs), background=background, path=path)
+            target.commit(states.state_dict(), background=background, path=path)
         if path is None:
             self._saved_at = at
         comm.synchronize()
@@ -159,9 +155,52 @@ class Checkpointer:
             return {}
         return loaders.epoch_plan(self.engine.train_loader, self.epoch)
 
-    def state_dict(self, rng: Optional[List[dict]] = None) -> dict:
-        """Everything a resume needs (see :func:`basetrainer.runtime.checkpoint.capture`)."""
-        return checkpoint.capture(self.engine, rng)
+    def state_dict(self) -> dict:
+        """Everything a resume needs, at this point (this process's RNGs; live tensors: copy
+        them with :func:`basetrainer.runtime.atomic.snapshot` before training goes on)."""
+        return self.registry().state_dict()
+
+    def callbacks(self) -> List[Any]:
+        """The engine's callbacks (the user's list, without empty entries)."""
+        return [cb for cb in self.engine.callbacks or [] if cb is not None]
+
+    def registry(self) -> Registry:
+        """The run's stateful objects under stable names (see :mod:`basetrainer.engine.registry`),
+        in the order they are saved and restored: a save is one pass over it, a resume one."""
+        engine = self.engine
+        scaler = engine.scaler
+        return Registry({
+            "format": Value("format", lambda: checkpoint.FORMAT),
+            "position": Fields(POSITION, self._position, self._go_to),   # where the run is, its figures there
+            "sampler": Value("epoch_plan", self.epoch_plan),   # the epoch's batches (resume.py checks them)
+            "model": Weights(engine),   # and the optimizer
+            "scaler": Value("scaler", lambda: scaler.state_dict() if scaler is not None else {},
+                            scaler.load_state_dict if scaler is not None else None),
+            "callbacks": CallbackStates(self.callbacks()),
+            "rng": RandomState(checkpoint.rng_state, self._set_pending_rng),
+            "world": Value("world_size", lambda: int(getattr(engine, "world_size", 1) or 1)),
+            "config": Value("config", lambda: checkpoint.plain(dict(engine.cfg)) if engine.cfg is not None else {}),
+            "stopped": Value("stopped", lambda: bool(engine.stop_training)),   # e.g. EarlyStopping ended the run
+        })
+
+    def _position(self) -> Dict[str, Any]:
+        return {"run_id": self.run_id, "epoch": int(self.epoch),
+                "phase": self.phase,   # train (inside the epoch) | test | end
+                "epoch_complete": self.phase == "end", "batch": int(self.batch_in_epoch),
+                "global_step": int(self.global_step),
+                "logs": {k: v for k, v in self.engine.logs.items() if isinstance(v, (int, float))
+                         and not isinstance(v, bool)}}
+
+    def _go_to(self, state: dict, source: str) -> None:
+        position = checkpoint.position(state)
+        self.start_after(*position)
+        self.global_step = int(state.get("global_step", 0))
+        self.restored_logs = dict(state.get("logs") or {})
+        self.run_id = state.get("run_id") or self.run_id
+        self._saved_at = (*position, self.global_step)
+
+    def _set_pending_rng(self, state: dict) -> None:
+        self._pending_rng = state
 
     # ----------------------------------------------------------------------------- restoring
     def load(self, state: dict, source: str = "checkpoint") -> Tuple[int, str, int]:
@@ -175,34 +214,15 @@ class Checkpointer:
         Returns:
             The position it was saved at: ``(epoch, phase, batch)``.
         """
-        engine = self.engine
-        model = engine.unwrapped_model
         if state.get("shards"):   # a sharded checkpoint: read (and reshard) the tensors it refers to
-            state = sharded.load(state, os.path.dirname(os.path.abspath(source)), sharding.mesh_of(model))
-        if state.get("shards") or sharding.is_fsdp(model):
-            sharding.load_state(model, engine.optimizer, state, full=not state.get("shards"))
-        else:
-            torch_tools.load_weights(engine.model, state["model"], strict=True, source=source)
-            if engine.optimizer is not None and state.get("optimizer"):
-                engine.optimizer.load_state_dict(state["optimizer"])
-        if engine.scaler is not None and state.get("scaler"):
-            engine.scaler.load_state_dict(state["scaler"])
-        checkpoint.load_callback_states(engine.callbacks, state.get("callbacks", {}), source)
-        rngs = state.get("rng") or []
-        rngs = [rngs] if isinstance(rngs, dict) else rngs
-        if rngs:
-            self._pending_rng = rngs[comm.get_rank()] if len(rngs) == comm.get_world_size() else rngs[0]
-        position = checkpoint.position(state)
-        self.start_after(*position)
-        self.global_step = int(state.get("global_step", 0))
-        self.restored_logs = dict(state.get("logs") or {})
-        self.run_id = state.get("run_id") or self.run_id
-        self._saved_at = (*position, self.global_step)
-        return position
+            state = sharded.load(state, os.path.dirname(os.path.abspath(source)),
+                                 sharding.mesh_of(self.engine.unwrapped_model))
+        self.registry().load_state_dict(state, source)
+        return checkpoint.position(state)
 
-    def start(self, plan: Start) -> None:
-        """Start a run as :mod:`basetrainer.engine.resume` decided: in its folder, from its
-        checkpoint (or, for ``run()`` again, from where the last run ended)."""
+    def start(self, plan: Any) -> None:
+        """Start a run as :mod:`basetrainer.engine.resume` decided (its ``Start``): in its folder,
+        from its checkpoint (or, for ``run()`` again, from where the last run ended)."""
         self._chosen = plan.folder
         if plan.again:
             self.start_after(self.epoch, self.phase, self.batch_in_epoch)

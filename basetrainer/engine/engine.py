@@ -80,13 +80,10 @@ class Engine:
     start_epoch = delegated("start_epoch", settable=True)        # where the next run() starts
     run_id = delegated("run_id", settable=True)
     epoch_complete = delegated("epoch_complete")
-    checkpoint_candidates = delegated("candidates")
-    checkpoint_dir = delegated("directory")
     checkpoint_folder = delegated("folder")
     request_checkpoint = delegated("request")
     state_dict = delegated("state_dict")
     load_state_dict = delegated("load")
-    epoch_plan = delegated("epoch_plan")   # what lays out the batches of the epoch in progress
 
     def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> Optional[str]:
         """A resumable checkpoint of this point (``Checkpointer.save``); inside an accumulation window, at its end."""

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from basetrainer.callbacks.callbacks import CallbackList
 from basetrainer.engine import inference_data, preemption
 from basetrainer.engine.resume import _decided_by_main
 from basetrainer.evaluation import ordered, writers
@@ -59,20 +58,11 @@ def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None,
                          f"figure): return one from build_criterion, or override run_step")
     loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
     logs: Dict[str, Any] = {}
-    saved = (engine.test_loader, engine._callbacks, getattr(engine, "evaluating", False),
-             getattr(engine, "evaluating_checkpoint", None), engine.model.training)
-    engine.test_loader = loader
-    engine._callbacks = CallbackList(list(engine.callbacks or []) + engine.extra_callbacks(), engine)
-    # the callbacks test the file's weights then (ModelEMA does not swap its average in over them)
-    engine.evaluating, engine.evaluating_checkpoint = True, loaded
-    try:
+    with engine.evaluation(loader, checkpoint=loaded):   # a file's weights: ModelEMA swaps no average in
         preemption.shield_loader(loader)
         engine.dispatch("on_test_begin", logs)
         engine.run_test_epoch(engine.epoch, logs)
         engine.dispatch("on_test_end", logs)
-    finally:
-        engine.test_loader, engine._callbacks, engine.evaluating, engine.evaluating_checkpoint, training = saved
-        engine.model.train(training)
     figures = {k: v for k, v in logs.items() if k.startswith("test/")}
     if not figures and comm.is_main_process():
         logger.warning("%s.evaluate(): no callback wrote a test figure: add a recorder to build_callbacks "

@@ -14,23 +14,44 @@
   come from another order than those before it.
 
 The main process decides (it alone touches files); every rank receives the decision (a
-:class:`~basetrainer.engine.checkpointer.Start`) and hands it to its engine's checkpointer, which
+:class:`Start`) and hands it to its engine's checkpointer, which
 loads the checkpoint and sets the position the run starts from. So all ranks continue, or all
 raise the same error.
 """
 import builtins
+import dataclasses
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from basetrainer.dataloader import loader as loaders
-from basetrainer.engine.checkpointer import Start
 from basetrainer.runtime import atomic, checkpoint, comm, run_folder
 
 logger = logging.getLogger(__name__)
 
 # config key -> the optimizer hyper-parameters built from it
 _OPTIMIZER_KEYS = {"lr": ("lr", "initial_lr"), "momentum": ("momentum",), "weight_decay": ("weight_decay",)}
+
+
+@dataclasses.dataclass
+class Start:
+    """How a run starts, as this module decided it (every rank gets it)."""
+
+    folder: Optional[str] = None        # the run's checkpoint folder (None: it has none)
+    run_id: Optional[str] = None
+    path: Optional[str] = None          # the checkpoint the run continues from (None: a new run)
+    state: Optional[dict] = None        # that checkpoint's content
+    fork: bool = False                  # a new run from another run's checkpoint
+    again: bool = False                 # run() again on this engine: on from where the last one ended
+
+    @property
+    def stopped(self) -> bool:
+        """The run continued had stopped (``stop_training``, e.g. EarlyStopping): nothing more is trained."""
+        return bool(self.state and self.state.get("stopped")) and not self.fork
+
+    def public(self) -> "Start":
+        """What the main process sends the other ranks (they load the checkpoint themselves)."""
+        return dataclasses.replace(self, state=None)
 
 
 def _decided_by_main(decide: Callable[[], Any], public: Callable[[Any], Any] = lambda r: r) -> Any:
@@ -86,8 +107,8 @@ def claim_work_dir(cfg: Any) -> None:
 def _previous_files(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
     """Files of an earlier run in this run's folders (checkpoints, logs)."""
     files: List[str] = []
-    for cb in trainer.callbacks or []:
-        files += list(getattr(cb, "run_files", lambda: [])())
+    for cb in trainer.checkpointer.callbacks():
+        files += list(cb.run_files())
     if folder is not None:
         files += [p for p in (folder.last, folder.previous) if os.path.exists(p)]
     return sorted(set(files))
@@ -95,8 +116,8 @@ def _previous_files(trainer: Any, folder: Optional[checkpoint.CheckpointFolder])
 
 def _folders(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> List[str]:
     found = [folder.folder] if folder is not None else []
-    for cb in trainer.callbacks or []:
-        found += [f for f in (getattr(cb, "model_dir", None), getattr(cb, "log_dir", None)) if f]
+    for cb in trainer.checkpointer.callbacks():
+        found += [f for f in cb.run_folders() if f]
     return sorted(set(found))
 
 
@@ -149,7 +170,7 @@ def _plan_changes(saved: Dict[str, Any], current: Dict[str, Any], named: Set[str
 def _choose_folder(trainer: Any) -> Optional[str]:
     """The checkpoint folder of this run: the candidate already holding its checkpoints (or its
     marker), so that adding a ModelCheckpoint in front keeps the run where it is; else the first."""
-    candidates = trainer.checkpoint_candidates()
+    candidates = trainer.checkpointer.candidates()
     for folder in candidates:
         if any(os.path.exists(os.path.join(folder, name))
                for name in (checkpoint.LAST, checkpoint.PREVIOUS, run_folder.MARKER)):
@@ -234,11 +255,12 @@ def _continue(trainer: Any, folder: Optional[str], path: str, state: dict) -> St
 
 
 def _owned(trainer: Any, folder: Optional[checkpoint.CheckpointFolder]) -> bool:
-    """Whether a ModelCheckpoint writes to ``folder`` (then it is marked as this run's when the run
-    starts; a bare ``<work_dir>/model`` only gets a file if a preemption saves one)."""
+    """Whether a callback keeps the run's checkpoints in ``folder`` (a ModelCheckpoint: then it is
+    marked as this run's when the run starts; a bare ``<work_dir>/model`` only gets a file if a
+    preemption saves one)."""
     return folder is not None and any(
-        getattr(c, "model_dir", None) and os.path.abspath(c.model_dir) == os.path.abspath(folder.folder)
-        for c in trainer.callbacks or [])
+        c.last_checkpoint_dir() and os.path.abspath(c.last_checkpoint_dir()) == os.path.abspath(folder.folder)
+        for c in trainer.checkpointer.callbacks())
 
 
 def prepare_run(trainer: Any) -> None:

@@ -1,11 +1,13 @@
 """EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
+import contextlib
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from basetrainer.callbacks.callbacks import CallbackList
 from basetrainer.callbacks.progress_bar import ProgressBar
 from basetrainer.dataloader import loader as data
 from basetrainer.engine import inference, resume
@@ -275,6 +277,21 @@ class EngineTrainer(Engine):
         resume.prepare_run(self)
 
     # ----------------------------------------------------------------------------- evaluate, predict
+    @contextlib.contextmanager
+    def evaluation(self, loader: Any, checkpoint: Optional[str] = None) -> Iterator[None]:
+        """The ``with`` body evaluates: ``loader`` is the test loader, the callbacks are bound,
+        ``evaluating`` is True and ``evaluating_checkpoint`` names the file whose weights are
+        tested (ModelEMA swaps no average in over them). On leaving, also when the body raises,
+        these fields and the model's train/eval mode are as they were."""
+        saved = (self.test_loader, self._callbacks, self.evaluating, self.evaluating_checkpoint, self.model.training)
+        self.test_loader, self.evaluating, self.evaluating_checkpoint = loader, True, checkpoint
+        self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
+        try:
+            yield
+        finally:
+            self.test_loader, self._callbacks, self.evaluating, self.evaluating_checkpoint, training = saved
+            self.model.train(training)
+
     def evaluate(self, loader: Any = None, checkpoint: Optional[str] = None,
                  batch_size: Optional[int] = None) -> Dict[str, Any]:
         """Run the test phase with this trainer's callbacks (no training) and return the test

@@ -10,13 +10,12 @@ files only after it, so no crash loses a file that ``last.pth`` refers to.
 import logging
 import os
 import random
-import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from basetrainer.runtime import atomic, shard_folders, sharding
+from basetrainer.runtime import atomic, shard_folders
 from basetrainer.runtime.safe_load import crc_errors, load_file, non_finite  # noqa: F401 (their names here too)
 
 logger = logging.getLogger(__name__)
@@ -81,52 +80,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
             logger.warning("could not restore the CUDA RNG state (different GPUs?); continuing")
 
 
-# ----------------------------------------------------------------------------- callback states
-_LEGACY_KEY = re.compile(r"^(\d+):(.+)$")   # 2.0 keyed callback states by list position
-
-
-def callback_keys(callbacks: Sequence[Any]) -> List[Tuple[str, Any]]:
-    """``(key, callback)`` for every callback with state: its ``state_key`` (default: its class
-    name), with ``#2``, ``#3`` appended when two callbacks share one."""
-    out: List[Tuple[str, Any]] = []
-    seen: Dict[str, int] = {}
-    for cb in callbacks:
-        if not hasattr(cb, "state_dict"):
-            continue
-        key = str(getattr(cb, "state_key", None) or type(cb).__name__)
-        seen[key] = seen.get(key, 0) + 1
-        out.append((key if seen[key] == 1 else f"{key}#{seen[key]}", cb))
-    return out
-
-
-def callback_states(callbacks: Sequence[Any]) -> Dict[str, Any]:
-    return {key: cb.state_dict() for key, cb in callback_keys(callbacks)}
-
-
-def load_callback_states(callbacks: Sequence[Any], saved: Dict[str, Any], source: str) -> None:
-    """Give each callback its saved state, matched by key (2.0 checkpoints: by list position and
-    class name). Saved states nobody takes, and callbacks with state but nothing saved, are
-    named in a warning."""
-    saved = dict(saved or {})
-    if saved and all(_LEGACY_KEY.match(k) for k in saved):
-        pairs = [(f"{i}:{type(cb).__name__}", cb) for i, cb in enumerate(callbacks) if hasattr(cb, "state_dict")]
-    else:
-        pairs = callback_keys(callbacks)
-    fresh = []
-    for key, cb in pairs:
-        if key in saved:
-            if hasattr(cb, "load_state_dict"):
-                cb.load_state_dict(saved.pop(key))
-        elif cb.state_dict():
-            fresh.append(key)
-    if saved:
-        logger.warning("%s: saved state of %s matches no callback (removed, or its state_key changed?); "
-                       "ignored", source, ", ".join(repr(k) for k in saved))
-    if fresh:
-        logger.warning("%s: no saved state for callback(s) %s (added since?); they start fresh",
-                       source, ", ".join(repr(k) for k in fresh))
-
-
 # ----------------------------------------------------------------------------- the config of a run
 IDENTITY_KEYS = ("net_type", "input_size", "train_data", "test_data", "seed", "num_classes", "classes")
 QUIET_KEYS = ("resume", "overwrite", "config_file", "progress")
@@ -160,42 +113,6 @@ def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple
 
 
 # ----------------------------------------------------------------------------- the state of a run
-def capture(engine: Any, rngs: Optional[List[dict]] = None) -> dict:
-    """Everything a resume of ``engine`` needs, at its current position (live tensors: copy them
-    with :func:`basetrainer.runtime.atomic.snapshot` before training goes on)."""
-    phase = getattr(engine, "phase", "end")
-    cfg = getattr(engine, "cfg", None)
-    model, optimizer = engine.unwrapped_model, engine.optimizer
-    if sharding.is_fsdp(model):   # sharded: by parameter name, DTensors (see basetrainer.runtime.sharded)
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        model_state = get_model_state_dict(model)
-        optimizer_state = get_optimizer_state_dict(model, optimizer) if optimizer is not None else {}
-    else:
-        model_state = model.state_dict()
-        optimizer_state = optimizer.state_dict() if optimizer is not None else {}
-    return {
-        "format": FORMAT,
-        "run_id": getattr(engine, "run_id", None),
-        "epoch": int(engine.epoch),
-        "phase": phase,                            # train (inside the epoch) | test | end
-        "epoch_complete": phase == "end",
-        "batch": int(engine.batch_in_epoch),       # train steps done in this epoch
-        "epoch_plan": engine.epoch_plan(),         # inside the train phase: what lays out its batches
-        "global_step": int(engine.global_step),
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "scaler": engine.scaler.state_dict() if engine.scaler is not None else {},
-        "callbacks": callback_states(engine.callbacks),
-        "rng": rngs if rngs is not None else [rng_state()],
-        "world_size": int(getattr(engine, "world_size", 1) or 1),
-        "config": plain(dict(cfg)) if cfg is not None else {},
-        "logs": {k: v for k, v in (getattr(engine, "logs", None) or {}).items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)},
-        "stopped": bool(getattr(engine, "stop_training", False)),   # e.g. EarlyStopping ended the run
-    }
-
-
 def position(state: dict) -> Tuple[int, str, int]:
     """``(epoch, phase, batch)`` of a checkpoint (2.0 files have no phase)."""
     phase = state.get("phase") or ("end" if state.get("epoch_complete", True) else "train")

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from basetrainer.runtime import atomic, comm, shard_io
-from basetrainer.runtime.checkpoint import capture, describe
+from basetrainer.runtime.checkpoint import describe
 from basetrainer.runtime.safe_load import load_file, non_finite
 # the folders' names and checks live below checkpoint.py (its folder keeps them); PREFIX and
 # check stay reachable here too, where tests/test_checkpoint_crc.py and test_disk_full.py use them
@@ -124,9 +124,9 @@ def load(state: dict, folder: str, mesh: Any = None) -> dict:
     return join(state, templates)
 
 
-def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None) -> None:
-    """Save ``engine``'s state as a sharded ``last`` in ``folder`` (a CheckpointFolder); every
-    rank calls it. The staged files (best and per-epoch weights) get the whole weights, gathered
+def save(engine: Any, folder: Any, state: dict, path: Optional[str] = None) -> None:
+    """Save ``state`` (``engine``'s checkpoint, its sharded tensors in it) as a sharded ``last``
+    in ``folder`` (a CheckpointFolder); every rank calls it. The staged files (best and per-epoch weights) get the whole weights, gathered
     to the main process on the CPU (no rank gathers the optimizer state).
 
     Raises:
@@ -136,7 +136,6 @@ def save(engine: Any, folder: Any, rngs: List[dict], path: Optional[str] = None)
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = capture(engine, rngs)
     rest, tensors = split(state)
     bad = non_finite_local(tensors)
     if bad:

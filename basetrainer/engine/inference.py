@@ -9,7 +9,7 @@ them (``{"test/<indicator>": value}``). Nothing is trained and no checkpoint is 
 order: the test sampler's shards (rank r of W holds samples r, r + W, ...) are gathered round by
 round and interleaved back (:class:`~basetrainer.evaluation.ordered.OrderedCollector`), so no
 padding duplicate and no missing sample, whatever the number of ranks. With ``output=`` the
-rows are streamed, one round at a time, to a ``.npz``, ``.pt`` or ``.csv`` file written by the
+rows are streamed, one round at a time, to a ``.npz``, ``.npy`` or ``.csv`` file written by the
 main process (:mod:`basetrainer.evaluation.writers`): memory does not grow with the data set.
 
 Both may first load weights (``checkpoint=``): a weights file (a best or per-epoch file), a
@@ -77,7 +77,7 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     docstring); with ``output``, the path of the file they were written to.
 
     Raises:
-        ValueError: an ``output`` suffix other than .npz/.pt/.csv, a loader that does not visit
+        ValueError: an ``output`` suffix other than .npz/.npy/.csv, a loader that does not visit
             its data set in order (shuffled, drop_last, padded), a folder holding a file that is
             not an image, a checkpoint that does not fit the model.
         FileNotFoundError: the folder or ``checkpoint`` does not exist.

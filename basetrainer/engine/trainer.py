@@ -328,7 +328,7 @@ class EngineTrainer(Engine):
             loader: a DataLoader that visits its data set in order (``build_dataloader(...,
                 phase="test")``, or a plain sequential one in one process), a data set, or a
                 folder of images (or one image; read with ``transform``, sorted by path).
-            output: a ``.npz``, ``.pt`` or ``.csv`` file: the outputs are streamed to it in
+            output: a ``.npz``, ``.npy`` (one output) or ``.csv`` file: the outputs are streamed to it in
                 bounded memory (the main process writes; a folder's files are its ``id``s) and
                 its path is returned. None: the outputs are returned (on every rank).
             checkpoint: load these weights first (see :meth:`evaluate`).
@@ -341,7 +341,7 @@ class EngineTrainer(Engine):
             sample), or the output file's path.
 
         Raises:
-            ValueError: an output suffix other than .npz/.pt/.csv, a shuffled/padded/drop_last
+            ValueError: an output suffix other than .npz/.npy/.csv, a shuffled/padded/drop_last
                 loader, a file in the folder that is not an image, a checkpoint that does not fit.
         """
         return inference.predict(self, loader, output, checkpoint, transform, batch_size)

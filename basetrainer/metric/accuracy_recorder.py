@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from basetrainer.callbacks.callbacks import targets_of
+from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.recorder import Recorder, sum_over_ranks
 from basetrainer.runtime import atomic
 
@@ -129,7 +130,7 @@ class AccuracyRecorder(Recorder):
         self.confusion_matrix: Optional[torch.Tensor] = None
         self.per_class: Dict[str, float] = {}
         self.log_dir = log_dir
-        self._history: Any = None      # the LogHistory whose folder and TensorBoard writer are used
+        self._history: Optional[LogHistory] = None     # the LogHistory whose folder and TensorBoard writer are used
 
     # ---------------------------------------------------------------- what it counts
     def new_counts(self, phase: str) -> ConfusionCounts:
@@ -185,12 +186,14 @@ class AccuracyRecorder(Recorder):
         counts.load(saved["matrix"], saved.get("hits"))
 
     # ---------------------------------------------------------------- events
+    def run_folders(self) -> List[str]:
+        return [self.log_dir] if self.log_dir else []
+
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        if self.log_dir is None:
+        self._history = None
+        if self.log_dir is None:   # the table goes beside the history's files
             self._history = next((c for c in getattr(self.trainer, "callbacks", None) or []
-                                  if c is not self and getattr(c, "log_dir", None)), None)
-        else:
-            self._history = None
+                                  if isinstance(c, LogHistory) and c.log_dir), None)
 
     def on_test_end(self, logs: Optional[dict] = None) -> None:
         if not self.records("test"):
@@ -210,8 +213,8 @@ class AccuracyRecorder(Recorder):
 
     def _write_report(self, figures: Dict[str, Any]) -> None:
         """One line to the log; the whole table to a file and to TensorBoard."""
-        history = self._history if getattr(self._history, "is_main_process", False) else None
-        folder = self.log_dir or getattr(history, "log_dir", None)
+        history = self._history if self._history is not None and self._history.is_main_process else None
+        folder = self.log_dir or (history.log_dir if history is not None else None)
         lowest = sorted((v, n) for n, v in self.per_class.items() if v == v)[:3]
         path = os.path.join(folder, "confusion_matrix.txt") if folder else None
         self.logger.info("test %s %.4f over %d samples; lowest per class: %s%s", self.indicator,
@@ -220,7 +223,7 @@ class AccuracyRecorder(Recorder):
         report = self.report()
         if path:
             atomic.write_atomically(report + "\n", path)
-        writer = getattr(history, "writer", None)
+        writer = history.writer if history is not None else None
         if writer is not None and self.trainer is not None:
             writer.add_text("test/confusion_matrix", "```\n" + report + "\n```", self.trainer.epoch)
 

@@ -32,6 +32,7 @@ for path in (ROOT, HERE):
 
 from basetrainer.callbacks.callbacks import Callback   # noqa: E402
 from basetrainer.engine.trainer import EngineTrainer   # noqa: E402
+from toys import StopAt   # noqa: E402
 
 FACTORS: Dict[str, Tuple[Any, ...]] = {
     "strategy": ("one", "ddp2", "ddp3", "fsdp2"),
@@ -237,18 +238,6 @@ def build_model(combo: Combo) -> nn.Module:
     return model
 
 
-class Kill(Callback):
-    """SIGKILL this process after step ``at[1]`` of epoch ``at[0]`` (after that step's checkpoint)."""
-
-    def __init__(self, at: Tuple[int, int]) -> None:
-        super().__init__()
-        self.at = at
-
-    def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        if (self.trainer.epoch, batch) == self.at and self.trainer.rank == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class ComboTrainer(EngineTrainer):
     """The trainer every config builds (its hooks read the combo)."""
 
@@ -313,7 +302,7 @@ class ComboTrainer(EngineTrainer):
                                                       start_save=1, indicator="Accuracy", save_freq_steps=steps,
                                                       async_save=False),
                      EvalReport(out_dir=os.path.join(work, "eval"), topk=(1, 2), tensorboard=False, trackers=False)]
-        return found + ([Kill(KILL_AT)] if self.kill else [])
+        return found + ([StopAt(*KILL_AT, how=signal.SIGKILL, rank=0)] if self.kill else [])
 
 
 def config_of(combo: Combo, work: str, resume: str = "", **overrides: Any) -> Dict[str, Any]:

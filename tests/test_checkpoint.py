@@ -15,7 +15,7 @@ from basetrainer.runtime import atomic, checkpoint
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.scheduler import build_scheduler
 from basetrainer.utils import torch_tools
-from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg, weight_diff
+from conftest import Recorder, StopAt, TinyNet, ToyTrainer, toy_cfg, weight_diff
 
 
 class Scripted(Callback):
@@ -288,16 +288,6 @@ def test_find_resumable_takes_the_newest_loadable_checkpoint(tmp_path, caplog):
 
 
 # ----------------------------------------------------------------------------- resume / finetune
-class CrashAt(Callback):
-    def __init__(self, epoch: int) -> None:
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise RuntimeError(f"simulated crash at epoch {epoch}")
-
-
 def resume_trainer(work_dir, extra=(), **cfg):
     config = toy_cfg(n_train=48, n_test=16, num_epochs=4, work_dir=str(work_dir), momentum=0.9, shuffle=True,
                      seed=5, **cfg)
@@ -313,8 +303,8 @@ def test_resume_auto_continues_and_equals_uninterrupted_run(tmp_path):
     full = resume_trainer(tmp_path / "full")
     full_history = full.run()
 
-    first = resume_trainer(tmp_path / "work", extra=[CrashAt(2)])
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    first = resume_trainer(tmp_path / "work", extra=[StopAt(2)])
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
         first.run()
     assert torch.load(tmp_path / "work" / "model" / "last.pth", weights_only=True)["epoch"] == 1
 

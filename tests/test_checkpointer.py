@@ -13,36 +13,15 @@ import torch
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.runtime import checkpoint
 
-from conftest import ROOT, ToyTrainer, toy_cfg
+from conftest import ROOT, StopAt, ToyTrainer, toy_cfg
 
 # 64 samples in batches of 16: 4 train steps an epoch, one test batch
 CFG = dict(num_epochs=3, n_train=64, n_test=16, batch_size=16)
 
 
-class StopAt(Callback):
-    """Sends this process SIGTERM once, in epoch 1: after train step 1, in the test phase, or at
-    the epoch's end (the engine stops there, saves, and exits with 143)."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__()
-        self.where, self.sent = where, False
-
-    def _send(self, where: str) -> None:
-        if where == self.where and not self.sent:
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch) == (1, 1):
-            self._send("train")
-
-    def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
-        if epoch == 1:
-            self._send("test")
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 1:
-            self._send("end")
+# where a SIGTERM arrives in epoch 1: after train step 1, in the test phase, or at the epoch's end
+# (the engine stops there, saves, and exits with 143)
+SIGTERM_IN = {"train": dict(batch=1), "test": dict(event="test"), "end": dict(event="epoch_end")}
 
 
 class Seen(Callback):
@@ -69,7 +48,7 @@ def test_run_again_after_a_preemption_starts_where_its_checkpoint_does(tmp_path,
     reference.run()
     work = tmp_path / "work"
     seen = Seen()
-    stopped = ToyTrainer(toy_cfg(work_dir=str(work), **CFG), callbacks=[StopAt(where), seen])
+    stopped = ToyTrainer(toy_cfg(work_dir=str(work), **CFG), callbacks=[StopAt(1, how=signal.SIGTERM, **SIGTERM_IN[where]), seen])
     with pytest.raises(SystemExit) as leave:
         stopped.run()
     assert leave.value.code == 128 + signal.SIGTERM
@@ -161,7 +140,7 @@ def test_a_loader_that_cannot_start_late_resumes_mid_epoch_exactly(tmp_path):
     reference = PlainLoaderTrainer(toy_cfg(**CFG))
     reference.run()
     work = tmp_path / "work"
-    stopped = PlainLoaderTrainer(toy_cfg(work_dir=str(work), **CFG), callbacks=[StopAt("train")])
+    stopped = PlainLoaderTrainer(toy_cfg(work_dir=str(work), **CFG), callbacks=[StopAt(1, 1, how=signal.SIGTERM)])
     with pytest.raises(SystemExit):
         stopped.run()
     state = checkpoint.load_file(str(work / "model" / "last.pth"))

@@ -154,7 +154,7 @@ SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     sys.path.insert(0, {tests!r})
     from torch.utils.data import Dataset
-    from conftest import ToyTrainer, blobs, toy_cfg
+    from conftest import StopAt, ToyTrainer, blobs, toy_cfg
     from basetrainer.callbacks.callbacks import Callback
     from basetrainer.callbacks.log_history import LogHistory
     from basetrainer.callbacks.losses_recorder import LossesRecorder
@@ -175,14 +175,6 @@ SCRIPT = textwrap.dedent("""
             return self.build_dataloader(Augmented(), cfg.batch_size, cfg.num_workers, phase="train",
                                          persistent_workers=cfg.persistent)
 
-    class Kill(Callback):
-        def __init__(self, epoch, batch):
-            super().__init__()
-            self.at = (epoch, batch)
-        def on_batch_end(self, batch, logs=None):
-            if (self.trainer.epoch, batch) == self.at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
     if __name__ == "__main__":
         work, workers, persistent, accumulate, resume, epoch, batch = sys.argv[1:8]
         cfg = toy_cfg(num_epochs=3, batch_size=16, lr=0.1, momentum=0.9, num_workers=int(workers),
@@ -192,7 +184,7 @@ SCRIPT = textwrap.dedent("""
                      ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss", save_freq_steps=1,
                                      async_save=False)]
         if int(epoch) >= 0:
-            callbacks.append(Kill(int(epoch), int(batch)))
+            callbacks.append(StopAt(int(epoch), int(batch), how=signal.SIGKILL))
         t = Trainer(cfg, callbacks=callbacks)
         t.run()
         torch.save(t.unwrapped_model.state_dict(), os.path.join(work, "final.pt"))

@@ -21,7 +21,7 @@ from basetrainer.callbacks.model_ema import ModelEMA
 from basetrainer.metric.accuracy_recorder import AccuracyRecorder
 from basetrainer.runtime import checkpoint, comm, fsdp_build, fsdp_weights, shard_io, sharded, sharding
 
-from conftest import ROOT, free_port, run_distributed, run_script, script_fixture, weight_diff
+from conftest import ROOT, StopAt, free_port, run_distributed, run_script, script_fixture, weight_diff
 from fsdp_common import Block, BlockNet, BlockTrainer, fsdp_cfg, full_weights
 
 PY = sys.executable
@@ -82,18 +82,6 @@ def test_fsdp_equals_one_process_and_ddp_on_uneven_data(tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume on another world size
-class StopAt(Callback):
-    """Raises after step ``batch`` of ``epoch`` (after that step's checkpoint), like a crash."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch + 1) == self.at:
-            raise KeyboardInterrupt("stopped by the test")
-
-
 def _cfg(work, strategy, **over):
     return fsdp_cfg(strategy=strategy, work_dir=str(work), **over)
 
@@ -110,7 +98,7 @@ def _first_part(rank, runs):
     for strategy, work, inside in runs:
         if inside:
             with pytest.raises(KeyboardInterrupt):
-                BlockTrainer(_cfg(work, strategy), callbacks=_callbacks(work) + [StopAt(1, 7)]).run()
+                BlockTrainer(_cfg(work, strategy), callbacks=_callbacks(work) + [StopAt(1, 6, how=KeyboardInterrupt)]).run()
         else:
             BlockTrainer(_cfg(work, strategy, num_epochs=2), callbacks=_callbacks(work)).run()
     return comm.get_world_size()

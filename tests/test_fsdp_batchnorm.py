@@ -214,21 +214,16 @@ SCRIPT = textwrap.dedent('''
     import os, signal, sys
     sys.path[:0] = [{root!r}, {tests!r}]
     import torch
-    from basetrainer.callbacks.callbacks import Callback
     from basetrainer.engine.launch import launch
+    from conftest import StopAt
     from test_fsdp_batchnorm import ImageTrainer, average, bn_cfg, callbacks
     from fsdp_common import full_weights
 
     work, mode, procs = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
-    class Kill(Callback):
-        """SIGKILL every rank inside epoch 1, after step 2 (after the step-2 checkpoint)."""
-        def on_batch_end(self, batch, logs=None):
-            if mode == "kill" and (self.trainer.epoch, batch + 1) == (1, 2):
-                os.kill(os.getpid(), signal.SIGKILL)
-
     def main(cfg):
-        cbs = callbacks(work, save_freq_steps=2) + [Kill()]
+        # "kill": SIGKILL every rank inside epoch 1, after its second step (after the step-2 checkpoint)
+        cbs = callbacks(work, save_freq_steps=2) + ([StopAt(1, 1, how=signal.SIGKILL)] if mode == "kill" else [])
         t = ImageTrainer(bn_cfg(strategy="fsdp", num_epochs=3, accumulate_steps=2, work_dir=work, resume="auto",
                                 distributed=True), callbacks=cbs)
         t.run()

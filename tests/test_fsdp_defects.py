@@ -13,7 +13,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.runtime import checkpoint, comm, fsdp_build, sharding
 
-from conftest import run_distributed, weight_diff
+from conftest import StopAt, run_distributed, weight_diff
 from fsdp_common import BlockTrainer, fsdp_cfg, full_weights
 
 # ----------------------------------------------------------------------------- the models
@@ -117,18 +117,6 @@ class DefectTrainer(BlockTrainer):
         return self.build_model_parallel(model, cfg.gpu_id, distributed=cfg.distributed)
 
 
-class StopAt(Callback):
-    """Raises after step ``batch`` of ``epoch`` (after that step's checkpoint), like a crash."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch + 1) == self.at:
-            raise KeyboardInterrupt("stopped by the test")
-
-
 class Messages(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
@@ -166,7 +154,7 @@ def _train(rank, cases, work):
                                                       async_save=False)]
         cfg = dict(net="shared_buffer", strategy="fsdp", work_dir=work)
         with pytest.raises(KeyboardInterrupt):
-            DefectTrainer(fsdp_cfg(**cfg), callbacks=callbacks() + [StopAt(1, 7)]).run()
+            DefectTrainer(fsdp_cfg(**cfg), callbacks=callbacks() + [StopAt(1, 6, how=KeyboardInterrupt)]).run()
         resumed = DefectTrainer(fsdp_cfg(**cfg, resume="auto"), callbacks=callbacks())
         resumed.run()
         out["resumed"] = {"weights": full_weights(resumed), "start": resumed.start_epoch}

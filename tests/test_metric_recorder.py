@@ -18,7 +18,7 @@ from basetrainer.metric import metric_states
 from basetrainer.metric.metric_recorder import FunctionRecorder, MetricRecorder
 from basetrainer.runtime import comm
 
-from conftest import ROOT, ToyTrainer, run_distributed, toy_cfg
+from conftest import ROOT, StopAt, ToyTrainer, run_distributed, toy_cfg
 
 tm = pytest.importorskip("torchmetrics")
 from torchmetrics import MetricCollection  # noqa: E402
@@ -256,18 +256,6 @@ class Running(Callback):
     def on_batch_end(self, batch, logs=None):
         if self.trainer.should_log(batch):
             self.values.append(logs["train/MAE"])
-
-
-class StopAt(Callback):
-    """Raises after step ``batch`` of ``epoch`` (after the step's checkpoint), like a crash."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch) == self.at:
-            raise RuntimeError("stopped on purpose")
 
 
 class Capture(Callback):

@@ -16,7 +16,7 @@ from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 from basetrainer.callbacks.model_ema import ModelEMA
 from basetrainer.runtime import comm
 
-from conftest import TinyNet, ToyTrainer, run_distributed, toy_cfg, weight_diff
+from conftest import StopAt, TinyNet, ToyTrainer, run_distributed, toy_cfg, weight_diff
 from fsdp_common import BlockNet, BlockTrainer, fsdp_cfg
 
 NAMED = re.compile(r"(?:best_model|model)_(\d{3})_(-?\d+\.\d{4})\.pth")
@@ -81,18 +81,6 @@ def assert_files_reproduce_their_names(folder, make_model, n_test, figures, data
 
 def losses(history, first_epoch=0):
     return {first_epoch + i: row["test/loss"] for i, row in enumerate(history)}
-
-
-class StopAt(Callback):
-    """Raises after step ``batch`` of ``epoch``, like a crash (the last checkpoint: the epoch before)."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch) == self.at:
-            raise RuntimeError("stopped on purpose")
 
 
 def _run(work, evaluate=True, epochs=4, resume="", extra=(), async_save=True, decay=0.7, **cfg):

@@ -21,7 +21,7 @@ from basetrainer.dataloader.sampler import GlobalBatchSampler
 from basetrainer.runtime import checkpoint, comm
 from basetrainer.utils import setup_config
 
-from conftest import ROOT, ToyTrainer, make_image_folder, run_distributed, toy_cfg, weight_diff
+from conftest import ROOT, StopAt, ToyTrainer, make_image_folder, run_distributed, toy_cfg, weight_diff
 
 PY = sys.executable
 COUNTS = {0: 70, 1: 25, 2: 10, 3: 5}     # 110 samples
@@ -189,23 +189,18 @@ def test_balance_mean_on_2_and_3_ranks_equals_one_process(tmp_path, world):
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
-    from conftest import toy_cfg
+    from conftest import StopAt, toy_cfg
     from test_resample import ImbalancedTrainer
     from basetrainer.callbacks.callbacks import Callback
     from basetrainer.callbacks.losses_recorder import LossesRecorder
     from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
-
-    class Kill(Callback):
-        def on_batch_end(self, batch, logs=None):
-            if (self.trainer.epoch, batch) == (1, 4):
-                os.kill(os.getpid(), signal.SIGKILL)
 
     if __name__ == "__main__":
         work, resume, kill = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
         cfg = toy_cfg(num_epochs=3, batch_size=16, lr=0.2, momentum=0.9, balance="sqrt", work_dir=work,
                       resume=resume, num_workers=int(sys.argv[4]))
         callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss", save_freq_steps=2,
-                                     async_save=False)] + ([Kill()] if kill else [])
+                                     async_save=False)] + ([StopAt(1, 4, how=signal.SIGKILL)] if kill else [])
         t = ImbalancedTrainer(cfg, callbacks=callbacks)
         t.run()
         torch.save(t.unwrapped_model.state_dict(), os.path.join(work, "final.pt"))
@@ -237,22 +232,6 @@ def test_sigkill_inside_an_epoch_then_resume_auto_equals_the_uninterrupted_run(t
 
 
 # ----------------------------------------------------------------------------- a changed order on resume
-class Crash(Callback):
-    """Raises at ``event`` (on_batch_end or on_test_begin) of ``epoch`` (after ``batch`` steps), like a kill."""
-
-    def __init__(self, event, epoch, batch=None):
-        super().__init__()
-        self.event, self.at = event, (epoch, batch)
-
-    def on_batch_end(self, batch, logs=None):
-        if self.event == "on_batch_end" and (self.trainer.epoch, batch + 1) == self.at:
-            raise RuntimeError("killed")
-
-    def on_test_begin(self, logs=None):
-        if self.event == "on_test_begin" and self.trainer.epoch == self.at[0]:
-            raise RuntimeError("killed")
-
-
 def _balanced_run(work, callbacks=(), **over):
     """110 samples in 7 batches of 16; last.pth after every step (and at each epoch's end)."""
     from basetrainer.callbacks.losses_recorder import LossesRecorder
@@ -282,8 +261,8 @@ def test_a_change_of_the_epochs_order_inside_an_epoch_is_refused_naming_it(tmp_p
     # issue 31.8: SIGKILL at step 5 of 8, balance none -> sqrt: the epoch's first batches followed the
     # old order and the rest the new one (12 of 40 samples never seen that epoch), after one warning
     work = tmp_path / "run"
-    with pytest.raises(RuntimeError, match="killed"):
-        _balanced_run(work, callbacks=[Crash("on_batch_end", 1, 4)], **before)
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        _balanced_run(work, callbacks=[StopAt(1, 3)], **before)
     state = checkpoint.load_file(str(work / "model" / "last.pth"))
     assert checkpoint.position(state) == (1, "train", 4)
     files = _files(str(work / "model"))
@@ -307,8 +286,8 @@ def test_a_balance_change_at_an_epoch_boundary_is_taken_by_the_next_epoch(tmp_pa
     if where == "epoch end":
         _balanced_run(work, num_epochs=1)
     else:
-        with pytest.raises(RuntimeError, match="killed"):
-            _balanced_run(work, callbacks=[Crash("on_test_begin", 0)])
+        with pytest.raises(RuntimeError, match="stopped on purpose"):
+            _balanced_run(work, callbacks=[StopAt(0, event="test_begin")])
     position = checkpoint.position(checkpoint.load_file(str(work / "model" / "last.pth")))
     assert position == ((0, "end", 7) if where == "epoch end" else (0, "train", 7))
     resumed = _balanced_run(work, resume="auto", balance="sqrt")

@@ -24,20 +24,10 @@ PY = sys.executable
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
-    from conftest import ToyTrainer, toy_cfg
-    from basetrainer.callbacks.callbacks import Callback
+    from conftest import StopAt, ToyTrainer, toy_cfg
     from basetrainer.callbacks.losses_recorder import LossesRecorder
     from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
     from basetrainer.callbacks.model_ema import ModelEMA
-
-    class Stop(Callback):
-        def __init__(self, epoch, batch, sig):
-            super().__init__()
-            self.at, self.sig = (epoch, batch), sig
-
-        def on_batch_end(self, batch, logs=None):
-            if (self.trainer.epoch, batch) == self.at:
-                os.kill(os.getpid(), self.sig)
 
     if __name__ == "__main__":
         work, workers, resume, epoch, batch, sig, background = sys.argv[1:8]
@@ -47,7 +37,7 @@ SCRIPT = textwrap.dedent("""
                      ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss",
                                      async_save=background == "1")]
         if int(epoch) >= 0:
-            callbacks.append(Stop(int(epoch), int(batch), getattr(signal, sig)))
+            callbacks.append(StopAt(int(epoch), int(batch), how=getattr(signal, sig)))
         t = ToyTrainer(cfg, callbacks=callbacks)
         t.run()
         torch.save({{"model": t.unwrapped_model.state_dict(), "ema": callbacks[1].ema,

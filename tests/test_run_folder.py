@@ -13,7 +13,7 @@ from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
 
-from conftest import Recorder, TinyNet, ToyTrainer, toy_cfg, weight_diff
+from conftest import Recorder, StopAt, TinyNet, ToyTrainer, toy_cfg, weight_diff
 
 
 class Scripted(Callback):
@@ -211,24 +211,14 @@ def test_changed_batch_size_on_resume_is_reported(tmp_path, caplog):
     assert "batch_size" in caplog.text and "16" in caplog.text and "32" in caplog.text
 
 
-class _CrashAt(Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_batch_begin(self, batch, logs=None):
-        if (self.trainer.epoch, batch) == self.at:
-            raise RuntimeError("crash")
-
-
 @pytest.mark.parametrize("key,value", [("batch_size", 32), ("accumulate_steps", 3)])
 def test_a_mid_epoch_resume_refuses_a_change_of_the_epochs_layout(tmp_path, key, value):
     # a mid-epoch position counts batches, and accumulation windows are laid out from the epoch's
     # first batch: accumulate_steps 2 -> 3 once gave the first window after the resume 2/3 of its gradient
     work = tmp_path / "work"
-    with pytest.raises(RuntimeError, match="crash"):
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
         run(work, epochs=2, batch_size=8, accumulate_steps=2,
-            callbacks=[LossesRecorder(), checkpointed(work, save_freq_steps=2), _CrashAt(1, 5)])
+            callbacks=[LossesRecorder(), checkpointed(work, save_freq_steps=2), StopAt(1, 5, event="batch_begin")])
     assert load(str(work / "model" / "last.pth"))["epoch_complete"] is False
     before = digests(work)
     with pytest.raises(ValueError, match=rf"{key}: \d+ -> {value}"):

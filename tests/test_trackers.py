@@ -97,8 +97,7 @@ HARNESS = textwrap.dedent("""
     from basetrainer.engine import trainer
     from basetrainer.callbacks import log_history, trackers, mlflow_logger, wandb_logger
     imported = sorted(m for m in ("mlflow", "wandb") if m in sys.modules)
-    from conftest import ToyTrainer, toy_cfg
-    from basetrainer.callbacks.callbacks import Callback
+    from conftest import StopAt, ToyTrainer, toy_cfg
     from basetrainer.callbacks.log_history import LogHistory
     from basetrainer.callbacks.losses_recorder import LossesRecorder
     from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
@@ -106,21 +105,13 @@ HARNESS = textwrap.dedent("""
     for name in {trackers_used!r}:
         __import__(name)
 
-    class Kill(Callback):   # after LogHistory: the epoch is logged, its checkpoint not yet written
-        def __init__(self, epoch):
-            super().__init__()
-            self.at = epoch
-
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == self.at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
     def train(work, resume, kill, epochs, loggers):
         import torch
         torch.set_num_threads(1)
         cfg = toy_cfg(num_epochs=epochs, batch_size=16, n_train=64, n_test=16, lr=0.1, momentum=0.9,
                       work_dir=work, resume=resume, log_freq=2, loggers=loggers)
-        callbacks = [LossesRecorder(), LogHistory(os.path.join(work, "log"), log_freq=2), Kill(kill),
+        callbacks = [LossesRecorder(), LogHistory(os.path.join(work, "log"), log_freq=2),
+                     StopAt(kill, how=signal.SIGKILL, event="epoch_end"),   # after LogHistory: the epoch is logged, its checkpoint not yet written
                      ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss", async_save=False)]
         ToyTrainer(cfg, callbacks=callbacks).run()
 

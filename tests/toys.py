@@ -119,16 +119,53 @@ def toy_cfg(**overrides: Any) -> setup_config.Config:
 
 
 class StopAt(Callback):
-    """Raises ``RuntimeError("stopped on purpose")`` after step ``batch`` of ``epoch`` (after
-    that step's checkpoint), like a crash."""
+    """Ends a run on purpose at one place, like a crash or a signal from outside: the one helper
+    the tests stop runs with.
 
-    def __init__(self, epoch: int, batch: int) -> None:
+    Where, in epoch ``epoch``: after train step ``batch`` (0-based: after that step's
+    checkpoint); with ``batch=None``, when the epoch begins; ``event`` picks another place:
+    ``"batch_begin"`` (before step ``batch``), ``"test_begin"``, ``"test"`` (its first test batch)
+    or ``"epoch_end"``. How: ``how`` is an exception class, raised with "stopped on purpose", or a
+    signal number this process sends itself (``signal.SIGKILL``: a crash nothing catches;
+    ``signal.SIGTERM``: a preemption). ``rank``: that rank only (None: every rank). Once."""
+
+    def __init__(self, epoch: int, batch: Optional[int] = None, how: Any = RuntimeError,
+                 event: Optional[str] = None, rank: Optional[int] = None) -> None:
         super().__init__()
-        self.at = (epoch, batch)
+        self.epoch, self.batch, self.how, self.rank = epoch, batch, how, rank
+        self.event = event or ("batch_end" if batch is not None else "epoch_begin")
+        self.done = False
+
+    def _stop(self, event: str, epoch: int, batch: Optional[int] = None) -> None:
+        if self.done or event != self.event or epoch != self.epoch:
+            return
+        if event in ("batch_begin", "batch_end") and batch != self.batch:
+            return
+        if self.rank is not None and self.trainer.rank != self.rank:
+            return
+        self.done = True
+        if isinstance(self.how, int):
+            os.kill(os.getpid(), self.how)
+        else:
+            raise self.how("stopped on purpose")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._stop("epoch_begin", epoch)
+
+    def on_batch_begin(self, batch, logs=None):
+        self._stop("batch_begin", self.trainer.epoch, batch)
 
     def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch) == self.at:
-            raise RuntimeError("stopped on purpose")
+        self._stop("batch_end", self.trainer.epoch, batch)
+
+    def on_test_begin(self, logs=None):
+        self._stop("test_begin", self.trainer.epoch)
+
+    def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):
+        self._stop("test", epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._stop("epoch_end", epoch)
 
 
 def make_image_folder(root: str, classes: List[str], per_class: int = 4, size: int = 8) -> str:

@@ -122,11 +122,11 @@ def test_cli_bad_input_exits_2_with_one_line_before_any_trial(script, tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_search_killed_and_continued(script, tmp_path):
-    """Seed 37 draws lr 0.3 (complete), 1e9 (diverges: failed, its error recorded), 0.0001 (below
+    """Seed 6 draws lr 0.3 (complete), 1e9 (diverges: failed, its error recorded), 0.0001 (below
     the median after one epoch: pruned). The search is SIGKILLed in its second trial and the same
     command continues it: trial 0 kept, trial 1 retried with its parameters, 3 finished trials."""
     work = str(tmp_path / "search")
-    space_file = _space(tmp_path / "s.yaml", trials=3, seed=37, work_dir=work,
+    space_file = _space(tmp_path / "s.yaml", trials=3, seed=6, work_dir=work,
                         pruner={"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0},
                         params={"lr": {"choices": [0.3, 0.0001, 1.0e9]}})
     cmd = [PY, "-m", "basetrainer.tune", script, "--space", space_file, "--num_epochs", "2"]

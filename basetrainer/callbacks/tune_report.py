@@ -24,7 +24,7 @@ class TuneReport(Callback):
     Args:
         context: the config's ``tune`` value: ``"nni"`` (report to NNI), or the mapping a search
             writes: ``storage`` (the study's SQLAlchemy URL), ``study``, ``trial`` (its number),
-            ``objective`` (a figure name; "" = the ModelCheckpoint's indicator), ``direction``
+            ``pruner`` (the search file's setting), ``objective`` (a figure name; "" = the ModelCheckpoint's indicator), ``direction``
             (``maximize``/``minimize``), ``params`` (the searched keys) and ``result`` (the JSON
             file rank 0 writes: state, value, epochs, the parameters and last epoch of every rank).
     """
@@ -138,7 +138,7 @@ def _open_trial(context: Dict[str, Any]) -> Any:
     import optuna
 
     storage = optuna.storages.RDBStorage(context["storage"])
-    study = optuna.load_study(study_name=context["study"], storage=storage)
+    study = optuna.load_study(study_name=context["study"], storage=storage, pruner=pruner_of(context["pruner"]))
     study_id = storage.get_study_id_from_name(context["study"])
     trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, int(context["trial"]))
     return optuna.trial.Trial(study, trial_id)
@@ -149,3 +149,18 @@ def _plain_config(cfg: Any) -> Dict[str, Any]:
     out = {k: v for k, v in dict(cfg).items() if k != "tune"}
     out.pop("config_file", None)
     return json.loads(json.dumps(out, default=str))
+
+
+def pruner_of(setting: Any) -> Any:
+    """The Optuna pruner a search file names (``median``, ``hyperband``, ``none``; a mapping may add
+    its keywords: ``{type: median, n_startup_trials: 2}``). Optuna keeps no pruner in its storage,
+    so the search and each trial build it from this same setting."""
+    import optuna
+
+    kwargs = dict(setting) if isinstance(setting, dict) else {"type": setting}
+    kind = kwargs.pop("type", "median")
+    if kind == "median":
+        return optuna.pruners.MedianPruner(**kwargs)
+    if kind == "hyperband":
+        return optuna.pruners.HyperbandPruner(**kwargs)
+    return optuna.pruners.NopPruner()

@@ -109,8 +109,10 @@ class Search:
                 raise SearchError(f"the study in {self.work_dir} was made with another search: "
                                   + "; ".join(diff) + ". Use the original search file, or another work_dir "
                                   f"(or study_name) for the new search")
+        # a continued search draws on from seed + its trials so far, not the first search's draws again
+        done = len(old.trials) if self.settings["study_name"] in names else 0
         study = optuna.create_study(study_name=self.settings["study_name"], storage=self.storage,
-                                    sampler=optuna.samplers.TPESampler(seed=self.settings["seed"]),
+                                    sampler=optuna.samplers.TPESampler(seed=self.settings["seed"] + done),
                                     pruner=space.pruner_of(self.settings["pruner"]), direction=self.direction,
                                     load_if_exists=True)
         study.set_user_attr("signature", wanted)
@@ -170,6 +172,7 @@ class Search:
         overrides = {**values, "work_dir": folder,
                      "tune": {"storage": self.url, "study": self.settings["study_name"], "trial": trial.number,
                               "objective": self.settings["objective"], "direction": self.direction,
+                              "pruner": self.settings["pruner"],
                               "params": sorted(values), "result": result_file}}
         overlay = setup_config.save_config(overrides, os.path.join(folder, "trial.yaml"))
         trial.set_user_attr("folder", os.path.relpath(folder, self.work_dir))

@@ -17,6 +17,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
+from basetrainer.callbacks.tune_report import pruner_of  # noqa: F401  (the search and its trials build it alike)
 from basetrainer.utils import setup_config
 
 SETTINGS = {"trials": 12, "timeout": 0, "objective": "", "direction": "", "pruner": "median", "seed": 0,
@@ -173,17 +174,3 @@ def differences(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
         if op.get(key) != np_.get(key):
             lines.append(f"params.{key}: {op.get(key)!r} -> {np_.get(key)!r}")
     return lines
-
-
-def pruner_of(setting: Any) -> Optional[Any]:
-    """The Optuna pruner the setting names (``median``, ``hyperband``, ``none``; a mapping may add
-    its keywords: ``{type: median, n_startup_trials: 2}``)."""
-    import optuna
-
-    kwargs = dict(setting) if isinstance(setting, dict) else {"type": setting}
-    kind = kwargs.pop("type")
-    if kind == "median":
-        return optuna.pruners.MedianPruner(**kwargs)
-    if kind == "hyperband":
-        return optuna.pruners.HyperbandPruner(**kwargs)
-    return optuna.pruners.NopPruner()

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from basetrainer.callbacks.callbacks import Callback, infer_mode, resolve_indicator
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+from basetrainer.callbacks.recorder import PHASES, Recorder
 from basetrainer.runtime import atomic, comm
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,10 @@ class TuneReport(Callback):
             writes: ``storage`` (the study's SQLAlchemy URL), ``study``, ``trial`` (its number),
             ``pruner`` (the search file's setting), ``objective`` (a figure name; "" = the ModelCheckpoint's indicator), ``direction``
             (``maximize``/``minimize``), ``params`` (the searched keys) and ``result`` (the JSON
-            file rank 0 writes: state, value, epochs, the parameters and last epoch of every rank).
+            file rank 0 writes: state, value, epochs, the parameters and last epoch of every rank);
+            with ``check`` (a JSON file) the run is the search's check launch: rank 0 writes the
+            objective's logs key and the figures the recorders declare there, and the run ends
+            before its first step.
     """
 
     def __init__(self, context: Union[str, Dict[str, Any]]) -> None:
@@ -52,11 +56,33 @@ class TuneReport(Callback):
             raise RuntimeError(f"search trial: rank(s) {differ} train with other parameters than rank 0 "
                                f"({self.params_by_rank[differ[0]]} vs {self.params_by_rank[0]}); every rank must "
                                f"read the same trial (start the ranks from one launch() or torchrun command)")
+        if self.context.get("check"):
+            self._check()
+            return
         self.key, direction = self._objective()
         self.maximize = direction == "maximize"
         if self.is_main_process and not self.nni:
             self._trial = _open_trial(self.context)
             self._write("running")
+
+    def _check(self) -> None:
+        """The search's check launch (``check``: a JSON file): write the objective's logs key and the
+        figures the recorders declare, and end the run before its first step."""
+        found: Dict[str, Any] = {"figures": [], "undeclared": []}
+        try:
+            found["objective"] = self._objective()[0]
+        except ValueError as e:
+            found["error"] = str(e)
+        for cb in self.trainer.callbacks or []:
+            if isinstance(cb, Recorder):
+                names = cb.figures()
+                if names is None:
+                    found["undeclared"].append(type(cb).__name__)
+                    continue
+                found["figures"] += [f"{phase}/{name}" for phase in PHASES if cb.records(phase) for name in names]
+        if self.is_main_process:
+            atomic.write_atomically(json.dumps(found, indent=1), self.context["check"])
+        self.trainer.stop_training = True
 
     def _objective(self) -> tuple:
         """The logs key of the figure and its direction ("" objective: the checkpoint's indicator)."""
@@ -80,6 +106,7 @@ class TuneReport(Callback):
 
     # ------------------------------------------------------------------ each epoch
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        # a script whose recorders do not declare their figures (Recorder.figures) is checked here
         logs = logs if logs is not None else {}
         if self.key not in logs or logs[self.key] is None:
             figures = sorted(k for k, v in logs.items() if isinstance(v, (int, float)))
@@ -108,6 +135,8 @@ class TuneReport(Callback):
 
     # ------------------------------------------------------------------ end
     def on_train_end(self, logs: Optional[dict] = None) -> None:
+        if self.context.get("check"):
+            return
         if not self.nni:   # each rank's own account (no collective here: a rank may be failing)
             mine = {"rank": comm.get_rank(), "params": self.params_by_rank[comm.get_rank()] if self.params_by_rank
                     else None, "last_epoch": self.last_epoch, "pruned_epoch": self.pruned_epoch}

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -118,6 +119,15 @@ class Search:
         study.set_user_attr("signature", wanted)
         return study
 
+    def begun(self) -> bool:
+        """Whether this work_dir holds the study with a trial already."""
+        if not os.path.isfile(os.path.join(self.work_dir, "study.db")):
+            return False
+        import optuna
+
+        summaries = optuna.get_all_study_summaries(optuna.storages.RDBStorage(self.url))
+        return any(s.study_name == self.settings["study_name"] and s.n_trials for s in summaries)
+
     def recover(self, study: Any) -> List[int]:
         """Trials left RUNNING by a killed search: marked failed (``interrupted``) and queued again
         with the same parameters. Returns their numbers."""
@@ -145,6 +155,8 @@ class Search:
         except BlockingIOError:
             raise SearchError(f"another search runs in work_dir {self.work_dir} (search.lock is held); wait for it "
                               f"or use another work_dir") from None
+        if not self.begun():   # a continued search had its objective checked when it began
+            self.check_objective()
         study = self.open_study()
         lost = self.recover(study)
         if lost:
@@ -160,6 +172,42 @@ class Search:
         report.write_all(study, self.work_dir, self.settings)
         lock.close()
         return study
+
+    def check_objective(self) -> None:
+        """Launch the script once in check mode (not a trial: nothing enters the study): its
+        TuneReport writes the figures the recorders declare and the run ends before its first
+        step. An objective that is not among them, when every recorder declares its figures, is
+        an error before any trial runs; otherwise the first trial's first epoch tells."""
+        folder = os.path.join(self.work_dir, "check")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        found_file = os.path.join(folder, "figures.json")
+        tune = {"check": found_file, "objective": self.settings["objective"], "direction": self.direction,
+                "params": []}
+        overlay = setup_config.save_config({"work_dir": folder, "tune": tune}, os.path.join(folder, "trial.yaml"))
+        with open(os.path.join(folder, "output.log"), "w") as out:
+            rc = subprocess.run([sys.executable, self.script, *self.script_args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, setup_config.TRIAL_ENV: overlay}).returncode
+        if not os.path.isfile(found_file):
+            error = _last_error(os.path.join(folder, "output.log")) or f"exit status {rc}"
+            print(f"search: the check launch of {self.script} gave no figures ({error}); the objective is checked "
+                  f"at the first trial's first epoch", flush=True)
+            return
+        with open(found_file, encoding="utf-8") as f:
+            found = json.load(f)
+        shutil.rmtree(folder, ignore_errors=True)
+        if found.get("error"):
+            raise SearchError(found["error"])
+        key, figures = found["objective"], found["figures"]
+        if key in figures or key == "lr":
+            return
+        if found["undeclared"]:
+            print(f"search: objective {key!r} is not among the declared figures {figures}; "
+                  f"{', '.join(found['undeclared'])} declare(s) none (Recorder.figures), so the first trial's "
+                  f"first epoch tells", flush=True)
+            return
+        raise SearchError(f"objective {key!r} is not a figure of this run (its recorders write {figures}); "
+                          f"set objective in the search file, or --objective, to one of them")
 
     def run_trial(self, study: Any) -> None:
         import optuna

@@ -278,6 +278,17 @@ def test_stop_training_ends_after_that_epoch(recorder):
     assert t.global_step == 4  # 2 epochs x 2 steps
 
 
+def test_stop_training_set_in_on_train_begin_runs_no_epoch(recorder):
+    class StopAtBegin(Callback):   # as a search's check launch ends a run before its first step
+        def on_train_begin(self, logs=None):
+            self.trainer.stop_training = True
+
+    t = ToyTrainer(toy_cfg(n_train=32, num_epochs=5), callbacks=[StopAtBegin(), recorder])
+    history = t.run()
+    assert history.epochs == [] and t.global_step == 0
+    assert recorder.events == [("on_train_begin",), ("on_train_end",)]
+
+
 # ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_end_to_end_accuracy_and_weights_equal_hand_loop():

@@ -28,6 +28,7 @@ LAYERS = {
     "basetrainer.pruning": 5,
     # export and deployment; the original's entry points under engine/ and utils/ belong to it
     "basetrainer.deploy": 5,
+    "basetrainer.tune": 5,   # hyperparameter search: runs the user's script once per trial
     "basetrainer.utils.converter": 5,
     **{f"basetrainer.engine.{rt}_engine": 5 for rt in ("onnx", "mnn", "ncnn", "openvino", "trt", "rknn")},
 }

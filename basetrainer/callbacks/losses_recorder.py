@@ -1,5 +1,5 @@
 """Sample-weighted loss figures, kept on the device and reduced across ranks."""
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -117,6 +117,10 @@ class LossesRecorder(Recorder):
             values = values if self.parts else {self.indicator: values[self.indicator]}
         counts.add(values, batch_size_of(inputs),
                    per_sample=getattr(self.trainer, "loss_reduction", "mean") != "sum")
+
+    def figures(self) -> Optional[List[str]]:
+        # the parts of a dict of losses are known only from the first step's losses
+        return None if self.parts else [self.indicator]
 
     def compute(self, counts: RunningSums, reduce: bool) -> Dict[str, float]:
         sums, count = counts.totals(reduce)   # RunningSums.means, one call fewer at each log step

@@ -166,6 +166,13 @@ class Recorder(Callback):
         """The figures of ``counts``, ``{name: value}``; ``reduce``: over every rank (every rank calls it)."""
         raise NotImplementedError(f"{type(self).__name__} must define compute(counts, reduce)")
 
+    def figures(self) -> Optional[List[str]]:
+        """The names of the figures :meth:`compute` gives, known before the run (each is written
+        as ``"<phase>/<name>"`` for the phases :meth:`records`); None when only the run tells
+        (the default: a subclass's ``compute`` decides). A search checks its objective against
+        them before any trial runs."""
+        return None
+
     def saved(self, counts: Any) -> Optional[Dict[str, Any]]:
         """What a checkpoint saves of ``counts``: every rank's counts so far, summed (every rank
         calls it); None when there is nothing to save."""

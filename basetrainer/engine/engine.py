@@ -128,7 +128,8 @@ class Engine:
         with self._preemption:
             try:
                 self.dispatch("on_train_begin", logs)
-                for epoch in range(self.start_epoch, self.num_epochs):
+                first = self.num_epochs if comm.any_true(self.stop_training) else self.start_epoch   # stopped at begin
+                for epoch in range(first, self.num_epochs):
                     self.run_epoch(epoch, logs)
                     if comm.any_true(self.stop_training):
                         logger.info("stop_training set: training ends after epoch %d", epoch)

@@ -266,10 +266,16 @@ class EngineTrainer(Engine):
 
     # ----------------------------------------------------------------------------- run
     def extra_callbacks(self) -> List[Any]:
-        """The progress bars (``progress``, main process only, unless the list has its own)."""
+        """The progress bars (``progress``, main process only, unless the list has its own), and in a
+        search trial (the config's ``tune``, see :mod:`basetrainer.tune`) the callback that reports to it."""
+        extra: List[Any] = []
         if self.progress and comm.is_main_process() and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            return [ProgressBar()]
-        return []
+            extra.append(ProgressBar())
+        if self.cfg.get("tune"):
+            from basetrainer.callbacks.tune_report import TuneReport
+
+            extra.append(TuneReport(self.cfg.tune))
+        return extra
 
     def restore(self) -> None:
         """Apply the run-folder rules and ``cfg.resume`` ("" = a new run, "auto" = continue this

@@ -171,6 +171,9 @@ class AccuracyRecorder(Recorder):
             figures[f"{self.indicator}_top{k}"] = h / total if total else float("nan")
         return figures
 
+    def figures(self) -> List[str]:
+        return [self.indicator] + [f"{self.indicator}_top{k}" for k in self.topk if k > 1]
+
     def publish(self, phase: str, figures: Dict[str, Any], logs: Optional[dict]) -> None:
         if logs is None or not figures.get("total"):   # no sample counted (e.g. resumed at the test phase)
             return

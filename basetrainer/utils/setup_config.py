@@ -345,9 +345,38 @@ def parser_config(args: Any, cfg_updata: bool = True, parser: Optional[argparse.
         else:
             merged = {**dict(yaml_cfg), **arg_values}
     merged["config_file"] = config_file
+    merged.update(trial_overrides())
     cfg = with_defaults(Config(merged))
     validate(cfg)
     return cfg
+
+
+#: the environment variable naming a search trial's overrides (set by ``python -m basetrainer.tune``)
+TRIAL_ENV = "BASETRAINER_TRIAL"
+
+
+def trial_overrides() -> Dict[str, Any]:
+    """The keys a hyperparameter search sets for this run, which win over YAML and typed flags.
+
+    A search (:mod:`basetrainer.tune`) runs the user's unchanged script once per trial; the only
+    way into that process is its environment, so the search names a YAML file of overrides in
+    ``BASETRAINER_TRIAL`` (the trial's parameters, its ``work_dir`` and a ``tune`` mapping that
+    tells the trainer to add the reporting callback). Under NNI (``NNI_PLATFORM`` set by NNI's trial
+    runner, or ``BASETRAINER_NNI=1`` for NNI's standalone mode) the parameters of
+    ``nni.get_next_parameter()`` are the overrides and ``tune`` is ``"nni"``. From here on the
+    context travels in the config, explicitly. Empty when neither is set.
+    """
+    path = os.environ.get(TRIAL_ENV)
+    if path:
+        return dict(load_config(path))
+    if os.environ.get("NNI_PLATFORM") or os.environ.get("BASETRAINER_NNI") == "1":
+        try:
+            import nni
+        except ImportError:
+            raise ImportError('this run is an NNI trial (NNI_PLATFORM or BASETRAINER_NNI is set) but nni is not '
+                              'installed: pip install "basetrainer[nni]"') from None
+        return {**dict(nni.get_next_parameter() or {}), "tune": "nni"}
+    return {}
 
 
 def print_dict(cfg: Any, title: str = "config") -> str:

@@ -1,0 +1,53 @@
+"""``python -m basetrainer.tune SCRIPT --space search.yaml [--trials N] [--timeout S] [--objective K]
+[--direction maximize|minimize] [script args...]``: exit status 0 when the search ran, 2 on bad input
+(one line naming the key, the value and the fix, before any trial runs)."""
+import os
+import sys
+from typing import Optional, Sequence
+
+from basetrainer.tune import search, space
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    try:
+        script, options, script_args = search.split_args(argv)
+        known, typed = search.script_keys(script, script_args)
+        settings = space.load(options["space"], known, typed)
+        for key in ("trials", "timeout"):
+            if key in options:
+                try:
+                    settings[key] = int(options[key])
+                except ValueError:
+                    raise space.SearchError(f"--{key} = {options[key]!r} must be an integer") from None
+        for key in ("objective", "direction"):
+            if key in options:
+                settings[key] = options[key]
+        if settings["direction"] not in ("", "maximize", "minimize"):
+            raise space.SearchError(f"--direction = {settings['direction']!r} must be maximize or minimize")
+        searched = [k for k in settings["params"] if search.flag_value(script_args, f"--{k}") is not None]
+        if searched:
+            raise space.SearchError(f"--{searched[0]} is typed on the command line and searched in params; "
+                                    f"remove one of them")
+        work_dir = (settings["work_dir"] or search.flag_value(script_args, "--work_dir")
+                    or (typed.get("work_dir") and os.path.join(typed["work_dir"], "tune")) or "work_space/tune")
+        study = search.Search(script, script_args, settings, work_dir).run()
+    except space.SearchError as e:
+        print(f"basetrainer.tune: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from basetrainer.tune import report
+
+    best = report.best_trial(study)
+    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    print(f"search: {states.count('COMPLETE')} complete, {states.count('PRUNED')} pruned, "
+          f"{states.count('FAIL')} failed; best: "
+          + (f"trial {best.number} {best.value:.4f} {best.params}" if best else "none")
+          + f"; results in {os.path.abspath(work_dir)} (trials.md, best.yaml, history.png)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,6 +122,16 @@ class RandomState(Part):
             self.restore(rngs[comm.get_rank()] if len(rngs) == comm.get_world_size() else rngs[0])
 
 
+def holds_state(state: Any) -> bool:
+    """Whether a callback's saved state holds anything: None and empty dicts/lists do not. Not
+    ``bool(state)``: a callback may return a tensor, whose truth is ambiguous."""
+    if state is None:
+        return False
+    if isinstance(state, (dict, list, tuple, str)):
+        return len(state) > 0
+    return True
+
+
 _LEGACY_KEY = re.compile(r"^(\d+):(.+)$")   # 2.0 keyed callback states by list position
 
 
@@ -161,8 +171,9 @@ class CallbackStates(Part):
         for key, cb in pairs:
             if key in saved:
                 cb.load_state_dict(saved.pop(key))
-            elif cb.state_dict():
+            elif holds_state(cb.state_dict()):
                 fresh.append(key)
+        saved = {key: value for key, value in saved.items() if holds_state(value)}   # a stateless callback removed
         if saved:
             logger.warning("%s: saved state of %s matches no callback (removed, or its state_key changed?); "
                            "ignored", source, ", ".join(repr(k) for k in saved))

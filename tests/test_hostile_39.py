@@ -1,0 +1,66 @@
+"""Hostile pass on issue 39's changes: defects found where the registry, seeding, writers and
+strategies meet, each with the reproduction that found it."""
+import logging
+from typing import Any
+
+import torch
+
+from conftest import StopAt, ToyTrainer, toy_cfg
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+
+class Counts(Callback):
+    """Counts steps; its state is the bare tensor (not a dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = torch.zeros(3)
+
+    def on_batch_end(self, batch, logs=None):
+        self.n += 1
+
+    def state_dict(self) -> Any:
+        return self.n.clone()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.n = state.clone()
+
+
+class Renamed(Counts):
+    """Counts under another state key, as after a rename."""
+
+
+class Stateless(Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        pass
+
+
+def _callbacks(folder: str, *extra: Any) -> list:
+    return [LossesRecorder("loss"), ModelCheckpoint(model_dir=folder, indicator="loss", save_freq_steps=1,
+                                                    async_save=False), *extra]
+
+
+def test_a_tensor_state_resumes_under_a_new_key_and_a_removed_stateless_callback_is_not_named(tmp_path, caplog):
+    """A callback whose state_dict returns a tensor, renamed before resume: the resume crashed
+    with 'Boolean value of Tensor with more than one value is ambiguous' (the registry took
+    bool(state_dict()) for 'has state'); a removed callback with no state was warned about as
+    lost state."""
+    folder = str(tmp_path / "model")
+    try:
+        ToyTrainer(toy_cfg(work_dir=str(tmp_path), num_epochs=2, n_train=48),
+                   callbacks=_callbacks(folder, Counts(), Stateless(), StopAt(1, 1))).run()
+    except RuntimeError as e:
+        assert "stopped on purpose" in str(e)
+    renamed = Renamed()
+    caplog.set_level(logging.WARNING, logger="basetrainer.engine.registry")
+    trainer = ToyTrainer(toy_cfg(work_dir=str(tmp_path), num_epochs=2, n_train=48, resume="auto"),
+                         callbacks=_callbacks(folder, renamed))
+    trainer.run()
+    assert trainer.epoch == 1
+    assert renamed.n.tolist() == [1.0, 1.0, 1.0]   # it started fresh: the last step of epoch 1 only
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "saved state of 'Counts' matches no callback" in warned
+    assert "no saved state for callback(s) 'Renamed'" in warned
+    assert "Stateless" not in warned and "StopAt" not in warned

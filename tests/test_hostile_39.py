@@ -64,3 +64,40 @@ def test_a_tensor_state_resumes_under_a_new_key_and_a_removed_stateless_callback
     assert "saved state of 'Counts' matches no callback" in warned
     assert "no saved state for callback(s) 'Renamed'" in warned
     assert "Stateless" not in warned and "StopAt" not in warned
+
+
+def test_a_redirect_is_the_trackers_answer(monkeypatch):
+    """A tracker's server that answers HEAD / with a redirect (a login page elsewhere, here a
+    closed port) is reachable: the probe followed the redirect and said the server 'gave no
+    answer' (Connection refused), naming the server's own address."""
+    import http.server
+    import socket
+    import threading
+
+    from basetrainer.callbacks import reachability
+
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+
+    class Redirects(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{dead_port}/login")
+            self.end_headers()
+
+        do_GET = do_HEAD
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Redirects)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert reachability.probe(f"http://127.0.0.1:{server.server_port}/", 3) is None
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -173,7 +173,8 @@ class CallbackStates(Part):
                 cb.load_state_dict(saved.pop(key))
             elif holds_state(cb.state_dict()):
                 fresh.append(key)
-        saved = {key: value for key, value in saved.items() if holds_state(value)}   # a stateless callback removed
+        # a removed callback that had no state lost nothing
+        saved = {key: value for key, value in saved.items() if holds_state(value)}
         if saved:
             logger.warning("%s: saved state of %s matches no callback (removed, or its state_key changed?); "
                            "ignored", source, ", ".join(repr(k) for k in saved))

@@ -101,3 +101,33 @@ def test_a_redirect_is_the_trackers_answer(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+class Histogram(Callback):
+    """Keeps its state in numpy, as a user's callback may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hist = None
+
+    def state_dict(self) -> Any:
+        import numpy as np
+
+        return {"hist": np.zeros(3), "best": np.float64(0.5)}
+
+
+def test_a_callback_state_a_resume_cannot_load_is_refused_when_saved(tmp_path):
+    """A callback whose state_dict holds numpy values was saved in every checkpoint of the run,
+    and the resume then found none loadable ('no loadable checkpoint is left': weights_only
+    refuses numpy): the whole run was lost. The first save refuses it now, naming the callback,
+    the place, the type and the fix."""
+    import pytest
+
+    trainer = ToyTrainer(toy_cfg(work_dir=str(tmp_path), num_epochs=2, n_train=32),
+                         callbacks=_callbacks(str(tmp_path / "model"), Histogram()))
+    with pytest.raises(TypeError) as caught:
+        trainer.run()
+    message = str(caught.value)
+    assert "callback state 'Histogram'" in message and "['hist'] is a numpy.ndarray" in message
+    assert "Histogram.state_dict()" in message and "tolist()" in message
+    assert trainer.epoch == 0   # refused at the first save (the end of the first epoch)

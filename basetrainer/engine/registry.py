@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from basetrainer.runtime import comm, sharding
+from basetrainer.runtime import checkpoint, comm, sharding
 from basetrainer.utils import torch_tools
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,19 @@ class CallbackStates(Part):
             cb.prepare_state()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"callbacks": {key: cb.state_dict() for key, cb in self.keyed()}}
+        """Raises:
+            TypeError: a state holds what a resume could not load (checked at every save, not
+                found when the run is resumed and none of its checkpoints loads)."""
+        states = {}
+        for key, cb in self.keyed():
+            states[key] = cb.state_dict()
+            found = checkpoint.unloadable(states[key])
+            if found:
+                raise TypeError(f"callback state {key!r}: {found}, which a resume cannot load (checkpoints load "
+                                f"with weights_only=True: tensors, numbers, strings, lists, tuples, sets, dicts); "
+                                f"return tensors or plain values from {type(cb).__name__}.state_dict() "
+                                f"(torch.as_tensor(a), a.tolist(), float(x), list(d))")
+        return {"callbacks": states}
 
     def load_state_dict(self, state: Dict[str, Any], source: str) -> None:
         saved = dict(state.get("callbacks") or {})

@@ -131,3 +131,29 @@ def test_a_callback_state_a_resume_cannot_load_is_refused_when_saved(tmp_path):
     assert "callback state 'Histogram'" in message and "['hist'] is a numpy.ndarray" in message
     assert "Histogram.state_dict()" in message and "tolist()" in message
     assert trainer.epoch == 0   # refused at the first save (the end of the first epoch)
+
+
+class KeyedByMethod(Callback):
+    def state_key(self):   # meant as a property
+        return "mine"
+
+    def state_dict(self):
+        return {"v": 1}
+
+
+class KeyedByAttribute(Callback):
+    state_key = "mine"
+
+
+def test_a_state_key_written_as_a_method_is_refused(tmp_path):
+    """state_key defined with 'def' and no @property: the state was saved under
+    '<bound method ... at 0x7f...>', an address new in every run, so a resume never gave it back
+    (two warnings with addresses, the state started fresh). Refused when the run is built."""
+    import pytest
+
+    with pytest.raises(TypeError) as caught:
+        ToyTrainer(toy_cfg(work_dir=str(tmp_path)), callbacks=[KeyedByMethod()]).run()
+    assert "KeyedByMethod.state_key is a method" in str(caught.value) and "@property" in str(caught.value)
+    trainer = ToyTrainer(toy_cfg(work_dir=str(tmp_path), num_epochs=1), callbacks=[KeyedByAttribute()])
+    trainer.run()
+    assert trainer.epoch == 0

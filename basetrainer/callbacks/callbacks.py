@@ -2,6 +2,7 @@
 and what a callback declares to the run (its state, its files); and :class:`CallbackList`, the one
 dispatcher of those events."""
 import difflib
+import inspect
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -230,7 +231,9 @@ def checked(callbacks: List[Any]) -> List["Callback"]:
     for the original API must keep running.
 
     Raises:
-        TypeError: an entry that is not a :class:`Callback`.
+        TypeError: an entry that is not a :class:`Callback`; a ``state_key`` defined as a plain
+            method (its checkpoint name would be the bound method's text, with an address that
+            differs in every process: the state would never be restored).
     """
     seen = set()
     for i, cb in enumerate(callbacks):
@@ -238,6 +241,10 @@ def checked(callbacks: List[Any]) -> List["Callback"]:
             raise TypeError(f"callbacks[{i}] is a {type(cb).__name__}, not a Callback: subclass "
                             f"basetrainer.Callback (from basetrainer.callbacks.callbacks import Callback); it "
                             f"declares every event and the state a checkpoint saves, with neutral defaults")
+        if callable(inspect.getattr_static(type(cb), "state_key")):
+            raise TypeError(f"callbacks[{i}]: {type(cb).__name__}.state_key is a method, so its state would be "
+                            f"saved under the method's text (an address, new in every run) and never restored: "
+                            f"put @property above 'def state_key(self)', or set state_key = '...' on the class")
         if type(cb) not in seen:
             seen.add(type(cb))
             for name, meant in misspellings(type(cb)):

@@ -4,12 +4,20 @@ import ssl
 import urllib.request
 from urllib.parse import urlsplit
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is the server's answer: not followed (it may lead to a login page elsewhere)."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None   # urllib then raises the 3xx as an HTTPError
+
+
 PORTS = {"http": 80, "https": 443, "postgresql": 5432, "postgres": 5432, "mysql": 3306, "mssql": 1433}
 
 
 def probe(url: str, timeout: float, what: str = "the server") -> None:
-    """Return when the server of ``url`` answers (http(s): any answer to ``HEAD /``, through the
-    environment's proxy; a database: a TCP connection); else raise ConnectionError saying why."""
+    """Return when the server of ``url`` answers (http(s): any answer to ``HEAD /``, a redirect
+    too, through the environment's proxy; a database: a TCP connection); else raise
+    ConnectionError saying why."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower().split("+", 1)[0]
     if scheme not in PORTS or not parts.hostname:   # a file, sqlite, databricks: no server to ask
@@ -19,7 +27,7 @@ def probe(url: str, timeout: float, what: str = "the server") -> None:
     try:
         if scheme.startswith("http"):
             root = f"{scheme}://{parts.netloc.rpartition('@')[2]}/"
-            urllib.request.build_opener().open(urllib.request.Request(root, method="HEAD"), timeout=timeout).close()
+            urllib.request.build_opener(_NoRedirect).open(urllib.request.Request(root, method="HEAD"), timeout=timeout).close()
         else:
             socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:

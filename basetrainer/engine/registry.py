@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from basetrainer.runtime import comm, sharding
+from basetrainer.runtime import checkpoint, comm, sharding
 from basetrainer.utils import torch_tools
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,16 @@ class RandomState(Part):
             self.restore(rngs[comm.get_rank()] if len(rngs) == comm.get_world_size() else rngs[0])
 
 
+def holds_state(state: Any) -> bool:
+    """Whether a callback's saved state holds anything: None and empty dicts/lists do not. Not
+    ``bool(state)``: a callback may return a tensor, whose truth is ambiguous."""
+    if state is None:
+        return False
+    if isinstance(state, (dict, list, tuple, str)):
+        return len(state) > 0
+    return True
+
+
 _LEGACY_KEY = re.compile(r"^(\d+):(.+)$")   # 2.0 keyed callback states by list position
 
 
@@ -149,7 +159,19 @@ class CallbackStates(Part):
             cb.prepare_state()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"callbacks": {key: cb.state_dict() for key, cb in self.keyed()}}
+        """Raises:
+            TypeError: a state holds what a resume could not load (checked at every save, not
+                found when the run is resumed and none of its checkpoints loads)."""
+        states = {}
+        for key, cb in self.keyed():
+            states[key] = cb.state_dict()
+            found = checkpoint.unloadable(states[key])
+            if found:
+                raise TypeError(f"callback state {key!r}: {found}, which a resume cannot load (checkpoints load "
+                                f"with weights_only=True: tensors, numbers, strings, lists, tuples, sets, dicts); "
+                                f"return tensors or plain values from {type(cb).__name__}.state_dict() "
+                                f"(torch.as_tensor(a), a.tolist(), float(x), list(d))")
+        return {"callbacks": states}
 
     def load_state_dict(self, state: Dict[str, Any], source: str) -> None:
         saved = dict(state.get("callbacks") or {})
@@ -161,8 +183,10 @@ class CallbackStates(Part):
         for key, cb in pairs:
             if key in saved:
                 cb.load_state_dict(saved.pop(key))
-            elif cb.state_dict():
+            elif holds_state(cb.state_dict()):
                 fresh.append(key)
+        # a removed callback that had no state lost nothing
+        saved = {key: value for key, value in saved.items() if holds_state(value)}
         if saved:
             logger.warning("%s: saved state of %s matches no callback (removed, or its state_key changed?); "
                            "ignored", source, ", ".join(repr(k) for k in saved))

@@ -7,6 +7,7 @@ code is refused. A run's folder holds ``last.pth`` (the newest resumable state) 
 files a save asks for (best and per-epoch weights) *before* ``last.pth``, and deletes superseded
 files only after it, so no crash loses a file that ``last.pth`` refers to.
 """
+import collections
 import logging
 import os
 import random
@@ -94,6 +95,34 @@ def plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+# what torch.load(weights_only=True) takes back, by exact type (numpy's float64 is a float, yet
+# pickles as numpy's: a subclass is refused too)
+_LOADABLE_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.dtype,
+                    torch.device)
+_LOADABLE_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set)
+
+
+def unloadable(value: Any, where: str = "") -> Optional[str]:
+    """Where in ``value`` something is that a weights-only load refuses (``"['hist'] is a
+    numpy.ndarray"``), or None: everything is tensors, numbers, strings, lists, tuples, sets or
+    dicts of them."""
+    if isinstance(value, torch.Tensor):
+        return None
+    kind = type(value)
+    if kind in _LOADABLE_LEAVES:
+        return None
+    if kind in _LOADABLE_CONTAINERS:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and type(key) not in _LOADABLE_LEAVES:
+                return f"{where} has a key of type {type(key).__module__}.{type(key).__qualname__}"
+            found = unloadable(item, f"{where}[{key!r}]" if not isinstance(value, set) else f"{where}{{...}}")
+            if found:
+                return found
+        return None
+    return f"{where or 'the state'} is a {kind.__module__}.{kind.__qualname__}"
 
 
 def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:

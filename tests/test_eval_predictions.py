@@ -219,10 +219,19 @@ def test_an_unknown_suffix_is_refused_naming_the_formats(tmp_path):
         writers.open_writer(str(tmp_path / "out.json"))
     with pytest.raises(ValueError, match=r"out\.pt'.*no longer.*\.npy.*numpy\.load\(path, mmap_mode='r'\)"):
         writers.open_writer(str(tmp_path / "out.pt"))
-    with pytest.raises(TypeError, match=r"'output' is bfloat16.*float32"):
-        with writers.open_writer(str(tmp_path / "out.npy")) as w:
-            w.write(torch.zeros(2, 2, dtype=torch.bfloat16))
     assert os.listdir(tmp_path) == []
+
+
+def test_bfloat16_is_written_as_float32_value_for_value(tmp_path):
+    x = torch.randn(6, 3).to(torch.bfloat16)
+    for suffix in ("npy", "npz"):
+        path = str(tmp_path / f"out.{suffix}")
+        with writers.open_writer(path) as w:
+            w.write(x[:4])
+            w.write(x[4:])
+        loaded = np.load(path)
+        got = loaded if suffix == "npy" else loaded["output"]
+        assert got.dtype == np.float32 and torch.equal(torch.from_numpy(np.array(got)), x.float())
 
 
 def _leftovers(folder):

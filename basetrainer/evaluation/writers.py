@@ -16,6 +16,9 @@ at :meth:`~PredictionWriter.close` by copying the spool files in 8 MB pieces:
   ``logits_1``, ...). Floats are written with enough digits to read back bit for bit
   (float32: 9 significant digits, float64: 17).
 
+bfloat16 outputs (``amp: bf16``), which numpy has no dtype for, are written to ``.npy`` and
+``.npz`` as float32, which holds each of their values exactly.
+
 The file appears at its path only when complete (built under a temp name, then linked into
 place by the runtime's atomic writer): a failure or a kill leaves the previous file as it was.
 A full disk is a :class:`~basetrainer.runtime.atomic.DiskFullError` naming the folder.
@@ -209,6 +212,8 @@ class _Spooled(PredictionWriter):
 
     def _write(self, named: Dict[str, torch.Tensor], ids: Optional[List[str]], start: int) -> None:
         for name, t in named.items():
+            if t.dtype == torch.bfloat16:   # numpy has no bfloat16: float32 holds every value exactly
+                t = t.float()
             self.files[name][1].write(_raw(t))
 
     def _release(self) -> None:
@@ -233,11 +238,11 @@ class _Spooled(PredictionWriter):
         return (self.rows,) + tuple(row)
 
 
-def _numpy_dtype(name: str, dtype: torch.dtype) -> np.dtype:
-    """numpy's dtype for a torch dtype; bfloat16, which numpy lacks, is refused naming the fix."""
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype for a torch dtype; bfloat16, which numpy lacks, is written as float32 (the
+    outputs of ``predict()`` under ``amp: bf16``: every bfloat16 value is a float32 value)."""
     if dtype == torch.bfloat16:
-        raise TypeError(f"output {name!r} is bfloat16, which numpy has no dtype for: cast it to float32 "
-                        f"(e.g. in predict_step), or write a .csv file")
+        return np.dtype(np.float32)
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
@@ -247,8 +252,6 @@ class NpzWriter(_Spooled):
     suffix = ".npz"
 
     def _begin(self, named: Dict[str, torch.Tensor]) -> None:
-        for name, t in named.items():
-            _numpy_dtype(name, t.dtype)
         if self.ids is not None and "ids" in named:
             raise ValueError("an output named 'ids' and ids given: rename the output")
         super()._begin(named)
@@ -257,8 +260,8 @@ class NpzWriter(_Spooled):
         self._flush()
         with zipfile.ZipFile(self.temp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
             for name, (path, _) in self.files.items():
-                dtype = _numpy_dtype(name, next(getattr(torch, d.split(".")[-1]) for n, d, _ in self.sig
-                                                if n == name))
+                dtype = _numpy_dtype(next(getattr(torch, d.split(".")[-1]) for n, d, _ in self.sig
+                                          if n == name))
                 header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
                           "shape": self._shape(name)}
                 with z.open(f"{name}.npy", "w", force_zip64=True) as member:
@@ -290,13 +293,12 @@ class NpyWriter(_Spooled):
             what = f"outputs {list(named)}" if len(named) != 1 else "ids (file names)"
             raise ValueError(f"output={name!r}: a .npy file holds one array, and these are {what}: "
                              f"write a .npz (one array per output, plus ids) or a .csv file")
-        _numpy_dtype(next(iter(named)), next(iter(named.values())).dtype)
         super()._begin(named)
 
     def _finish(self) -> None:
         self._flush()
         (name, (spool, _)), = self.files.items()
-        dtype = _numpy_dtype(name, next(getattr(torch, d.split(".")[-1]) for _, d, _ in self.sig))
+        dtype = _numpy_dtype(next(getattr(torch, d.split(".")[-1]) for _, d, _ in self.sig))
         array = np.lib.format.open_memmap(self.temp, mode="w+", dtype=dtype, shape=self._shape(name))
         offset = array.offset
         del array

@@ -23,6 +23,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     settings[key] = int(options[key])
                 except ValueError:
                     raise space.SearchError(f"--{key} = {options[key]!r} must be an integer") from None
+                if settings[key] < (1 if key == "trials" else 0):
+                    raise space.SearchError(f"--{key} = {options[key]!r} must be an integer >= "
+                                            f"{1 if key == 'trials' else 0}")
         for key in ("objective", "direction"):
             if key in options:
                 settings[key] = options[key]

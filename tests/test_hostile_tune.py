@@ -63,3 +63,15 @@ def test_bad_budget_flags_exit_2_before_any_trial(tmp_path, flag, value):
     assert "Traceback" not in out.stderr
     assert f"{flag} = '{value}'" in out.stderr
     assert not (tmp_path / "w" / "trials").exists()
+
+
+def test_without_optuna_one_error_naming_the_extra(tmp_path):
+    code = ("import sys; sys.modules['optuna'] = None\n"
+            "from basetrainer.tune.__main__ import main\n"
+            f"sys.exit(main([{str(tmp_path / 's.py')!r}, '--space', 'x.yaml']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip() == ('basetrainer.tune: error: the search needs Optuna, which is not installed: '
+                                  'pip install "basetrainer[tune]"')

@@ -14,6 +14,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(__doc__.strip())
         return 0
     try:
+        search.require_optuna()
         script, options, script_args = search.split_args(argv)
         known, typed = search.script_keys(script, script_args)
         settings = space.load(options["space"], known, typed)

@@ -23,6 +23,14 @@ OPTIONS = {"--space": "space", "--trials": "trials", "--timeout": "timeout", "--
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 
 
+def require_optuna() -> None:
+    """Optuna is the ``tune`` extra: without it the search is one error naming its pip command."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise SearchError('the search needs Optuna, which is not installed: pip install "basetrainer[tune]"') from None
+
+
 def split_args(argv: Sequence[str]) -> Tuple[str, Dict[str, str], List[str]]:
     """``SCRIPT [--space F] [--trials N] ... [script args]`` -> (script, driver options, script args).
     The driver's options are read before a ``--``; what follows ``--`` all goes to the script."""

@@ -75,3 +75,18 @@ def test_without_optuna_one_error_naming_the_extra(tmp_path):
     assert "Traceback" not in out.stderr
     assert out.stderr.strip() == ('basetrainer.tune: error: the search needs Optuna, which is not installed: '
                                   'pip install "basetrainer[tune]"')
+
+
+def test_trial_killed_by_a_signal_is_failed_by_name_and_the_search_goes_on(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import argparse, os, signal\nargparse.ArgumentParser().add_argument('--lr', type=float)\n"
+                      "if os.environ.get('BASETRAINER_TRIAL'):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    search = tmp_path / "search.yaml"
+    search.write_text("trials: 2\npruner: none\nparams:\n  lr: {low: 0.01, high: 0.1}\n")
+    out = subprocess.run([sys.executable, "-m", "basetrainer.tune", str(script), "--space", str(search),
+                          "--work_dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    lines = (tmp_path / "w" / "trials.csv").read_text().splitlines()
+    assert len(lines) == 3
+    assert all(",fail," in line and line.endswith(",\"killed by SIGKILL, state None\"") for line in lines[1:]), lines

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -254,7 +255,8 @@ class Search:
         elif rc == 0 and state == "pruned":
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
-            error = _last_error(os.path.join(folder, "output.log")) or f"exit status {rc}, state {state}"
+            ended = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+            error = _last_error(os.path.join(folder, "output.log")) or f"{ended}, state {state}"
             trial.set_user_attr("error", error)
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         done = study.get_trials(deepcopy=False)[trial.number]

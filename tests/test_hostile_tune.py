@@ -90,3 +90,18 @@ def test_trial_killed_by_a_signal_is_failed_by_name_and_the_search_goes_on(tmp_p
     lines = (tmp_path / "w" / "trials.csv").read_text().splitlines()
     assert len(lines) == 3
     assert all(",fail," in line and line.endswith(",\"killed by SIGKILL, state None\"") for line in lines[1:]), lines
+
+
+def test_full_disk_is_one_line_not_a_traceback(monkeypatch, capsys):
+    from sqlalchemy.exc import OperationalError
+
+    from basetrainer.tune import __main__ as cli
+    from basetrainer.tune import search
+
+    def full(*args, **kwargs):   # what SQLite said on a full 1 MiB tmpfs work_dir
+        raise OperationalError("COMMIT", {}, Exception("database or disk is full"))
+
+    monkeypatch.setattr(search, "split_args", full)
+    assert cli.main(["s.py", "--space", "x.yaml"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "database or disk is full" in err[0] and "run the same command again" in err[0], err

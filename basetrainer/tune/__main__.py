@@ -13,6 +13,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    work_dir = ""
     try:
         search.require_optuna()
         script, options, script_args = search.split_args(argv)
@@ -42,6 +43,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except space.SearchError as e:
         print(f"basetrainer.tune: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except search.write_errors() as e:   # a full disk or an unwritable work_dir: the study keeps what it has
+        print(f"basetrainer.tune: error: work_dir {os.path.abspath(work_dir)}: {str(e).splitlines()[0]}; free space "
+              f"there (or give another work_dir) and run the same command again to continue", file=sys.stderr,
+              flush=True)
+        return 1
     from basetrainer.tune import report
 
     best = report.best_trial(study)

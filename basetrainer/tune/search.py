@@ -32,6 +32,14 @@ def require_optuna() -> None:
         raise SearchError('the search needs Optuna, which is not installed: pip install "basetrainer[tune]"') from None
 
 
+def write_errors() -> Tuple[type, ...]:
+    """The errors of a work_dir that cannot be written (a full disk): the OS's, and SQLAlchemy's for
+    the study's SQLite file (SQLAlchemy comes with Optuna, so it is imported only here)."""
+    from sqlalchemy.exc import OperationalError
+
+    return OSError, OperationalError
+
+
 def split_args(argv: Sequence[str]) -> Tuple[str, Dict[str, str], List[str]]:
     """``SCRIPT [--space F] [--trials N] ... [script args]`` -> (script, driver options, script args).
     The driver's options are read before a ``--``; what follows ``--`` all goes to the script."""

@@ -51,9 +51,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from basetrainer.tune import report
 
     best = report.best_trial(study)
-    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    states = [("INTERRUPTED" if t.user_attrs.get("interrupted") else t.state.name)
+              for t in study.get_trials(deepcopy=False)]
     print(f"search: {states.count('COMPLETE')} complete, {states.count('PRUNED')} pruned, "
-          f"{states.count('FAIL')} failed; best: "
+          f"{states.count('FAIL')} failed, {states.count('INTERRUPTED')} interrupted (retried); best: "
           + (f"trial {best.number} {best.value:.4f} {best.params}" if best else "none")
           + f"; results in {os.path.abspath(work_dir)} (trials.md, best.yaml, history.png)", flush=True)
     return 0

@@ -13,7 +13,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    work_dir = ""
     try:
+        search.require_optuna()
         script, options, script_args = search.split_args(argv)
         known, typed = search.script_keys(script, script_args)
         settings = space.load(options["space"], known, typed)
@@ -23,6 +25,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     settings[key] = int(options[key])
                 except ValueError:
                     raise space.SearchError(f"--{key} = {options[key]!r} must be an integer") from None
+                if settings[key] < (1 if key == "trials" else 0):
+                    raise space.SearchError(f"--{key} = {options[key]!r} must be an integer >= "
+                                            f"{1 if key == 'trials' else 0}")
         for key in ("objective", "direction"):
             if key in options:
                 settings[key] = options[key]
@@ -38,12 +43,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except space.SearchError as e:
         print(f"basetrainer.tune: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except search.write_errors() as e:   # a full disk or an unwritable work_dir: the study keeps what it has
+        print(f"basetrainer.tune: error: work_dir {os.path.abspath(work_dir)}: {str(e).splitlines()[0]}; free space "
+              f"there (or give another work_dir) and run the same command again to continue", file=sys.stderr,
+              flush=True)
+        return 1
     from basetrainer.tune import report
 
     best = report.best_trial(study)
-    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    states = [("INTERRUPTED" if t.user_attrs.get("interrupted") else t.state.name)
+              for t in study.get_trials(deepcopy=False)]
     print(f"search: {states.count('COMPLETE')} complete, {states.count('PRUNED')} pruned, "
-          f"{states.count('FAIL')} failed; best: "
+          f"{states.count('FAIL')} failed, {states.count('INTERRUPTED')} interrupted (retried); best: "
           + (f"trial {best.number} {best.value:.4f} {best.params}" if best else "none")
           + f"; results in {os.path.abspath(work_dir)} (trials.md, best.yaml, history.png)", flush=True)
     return 0

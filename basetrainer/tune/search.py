@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,22 @@ logger = logging.getLogger(__name__)
 OPTIONS = {"--space": "space", "--trials": "trials", "--timeout": "timeout", "--objective": "objective",
            "--direction": "direction"}
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+
+
+def require_optuna() -> None:
+    """Optuna is the ``tune`` extra: without it the search is one error naming its pip command."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise SearchError('the search needs Optuna, which is not installed: pip install "basetrainer[tune]"') from None
+
+
+def write_errors() -> Tuple[type, ...]:
+    """The errors of a work_dir that cannot be written (a full disk): the OS's, and SQLAlchemy's for
+    the study's SQLite file (SQLAlchemy comes with Optuna, so it is imported only here)."""
+    from sqlalchemy.exc import OperationalError
+
+    return OSError, OperationalError
 
 
 def split_args(argv: Sequence[str]) -> Tuple[str, Dict[str, str], List[str]]:
@@ -246,7 +263,8 @@ class Search:
         elif rc == 0 and state == "pruned":
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
-            error = _last_error(os.path.join(folder, "output.log")) or f"exit status {rc}, state {state}"
+            ended = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+            error = _last_error(os.path.join(folder, "output.log")) or f"{ended}, state {state}"
             trial.set_user_attr("error", error)
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         done = study.get_trials(deepcopy=False)[trial.number]

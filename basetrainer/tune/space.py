@@ -17,12 +17,14 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from basetrainer.callbacks.tune_report import pruner_of  # noqa: F401  (the search and its trials build it alike)
+from basetrainer.callbacks.tune_report import pruner_of  # the search and its trials build it alike
 from basetrainer.utils import setup_config
 
 SETTINGS = {"trials": 12, "timeout": 0, "objective": "", "direction": "", "pruner": "median", "seed": 0,
             "work_dir": "", "study_name": "basetrainer", "params": None}
 PRUNERS = ("median", "hyperband", "none")
+#: the keys a range or a choice may hold
+SPEC_KEYS = ("low", "high", "log", "step", "type", "choices")
 
 
 class SearchError(ValueError):
@@ -61,8 +63,16 @@ def load(path: str, known: Sequence[str], typed: Dict[str, Any]) -> Dict[str, An
     pruner = out["pruner"]["type"] if isinstance(out["pruner"], dict) else out["pruner"]
     if pruner not in PRUNERS:
         raise SearchError(f"search file {path}: pruner = {pruner!r} must be one of {list(PRUNERS)}")
-    if not isinstance(out["trials"], int) or out["trials"] <= 0:
+    if isinstance(out["trials"], bool) or not isinstance(out["trials"], int) or out["trials"] <= 0:
         raise SearchError(f"search file {path}: trials = {out['trials']!r} must be a positive integer")
+    for key in ("timeout", "seed"):
+        if isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] < 0:
+            raise SearchError(f"search file {path}: {key} = {out[key]!r} must be an integer >= 0")
+    try:   # a pruner keyword Optuna does not take is an error now, not a traceback after the check launch
+        pruner_of(out["pruner"])
+    except (TypeError, ValueError) as e:
+        raise SearchError(f"search file {path}: pruner = {out['pruner']!r} is refused by Optuna: {e}; give only "
+                          f"the keywords of its pruner class") from None
     out["params"] = {key: _spec(key, spec, known, typed) for key, spec in out["params"].items()}
     return out
 
@@ -80,6 +90,10 @@ def _spec(key: str, spec: Any, known: Sequence[str], typed: Dict[str, Any]) -> D
         spec = {"choices": spec}
     if not isinstance(spec, dict):
         raise SearchError(f"params: {key} = {spec!r} must be {{low: .., high: .., log: false}} or {{choices: [..]}}")
+    unknown = [k for k in spec if k not in SPEC_KEYS]
+    if unknown:
+        raise SearchError(f"params: {key}.{unknown[0]} is not a range or choice setting"
+                          f"{_close(str(unknown[0]), SPEC_KEYS)}; use {list(SPEC_KEYS)}")
     if "choices" in spec:
         choices = spec["choices"]
         if not isinstance(choices, list) or not choices:
@@ -96,6 +110,16 @@ def _spec(key: str, spec: Any, known: Sequence[str], typed: Dict[str, Any]) -> D
     kind = spec.get("type") or ("int" if isinstance(low, int) and isinstance(high, int) and not log else "float")
     if kind not in ("int", "float"):
         raise SearchError(f"params: {key}.type = {kind!r} must be int or float (or give choices)")
+    if kind == "int" and not all(float(v).is_integer() for v in (low, high)):
+        raise SearchError(f"params: {key} is an int range with low = {low!r}, high = {high!r}; give whole numbers "
+                          f"as both ends, or type: float")
+    step = spec.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or not step > 0
+                             or (kind == "int" and not float(step).is_integer())):
+        raise SearchError(f"params: {key}.step = {step!r} must be a number > 0 (a whole number for an int range)")
+    if step is not None and log:
+        raise SearchError(f"params: {key} has step = {step!r} and log: true; Optuna takes one of them, remove the "
+                          f"other")
     if low > high:
         raise SearchError(f"params: {key} has low = {low!r} > high = {high!r}; swap them (low <= high)")
     if log and low <= 0:
@@ -103,7 +127,7 @@ def _spec(key: str, spec: Any, known: Sequence[str], typed: Dict[str, Any]) -> D
                           f"(e.g. low: 1.0e-5), or set log: false")
     for value in (low, high):
         _check_value(key, int(value) if kind == "int" else float(value), typed, what=f"{kind} range end")
-    return {"type": kind, "low": low, "high": high, "log": log, "step": spec.get("step")}
+    return {"type": kind, "low": low, "high": high, "log": log, "step": step}
 
 
 def _check_value(key: str, value: Any, typed: Dict[str, Any], what: str) -> None:

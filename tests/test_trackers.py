@@ -681,8 +681,10 @@ def test_a_dead_mlflow_server_under_ddp_costs_every_rank_seconds(tmp_path, dead_
     from conftest import run_distributed
 
     ranks = run_distributed(_dead_store_under_ddp, 2, tmp_path, str(tmp_path / "work"), dead_port, timeout=200)
-    for rank in ranks:   # rank 1 waited in its first collective while rank 0 retried (60 s: gloo's timeout)
-        assert rank["first_epoch"] < 10, f"{rank['first_epoch']:.1f} s to the end of epoch 0"
+    # the defect: rank 1 waited in its first collective while rank 0 retried (60 s: gloo's
+    # timeout); fixed, epoch 0 takes a few seconds, 14-17 s with another test beside it on 2 cores
+    for rank in ranks:
+        assert rank["first_epoch"] < 30, f"{rank['first_epoch']:.1f} s to the end of epoch 0"
         assert rank["history"] == ranks[0]["history"] and len(rank["history"]) == 2
     assert len(ranks[0]["warnings"]) == 1 and ranks[1]["warnings"] == []   # rank 0 talks to the store
     assert f"127.0.0.1:{dead_port}" in ranks[0]["warnings"][0]

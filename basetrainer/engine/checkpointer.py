@@ -35,22 +35,6 @@ def delegated(name: str, settable: bool = False) -> property:
                     doc=f"``self.checkpointer.{name}`` (see :class:`Checkpointer`).")
 
 
-class CheckpointerNames:
-    """The engine's names for its checkpointer's fields and methods (the names callbacks use)."""
-
-    epoch = delegated("epoch", settable=True)
-    phase = delegated("phase", settable=True)                    # train | test | end
-    batch_in_epoch = delegated("batch_in_epoch", settable=True)  # train steps done in the epoch
-    global_step = delegated("global_step", settable=True)        # optimizer steps taken so far
-    start_epoch = delegated("start_epoch", settable=True)        # where the next run() starts
-    run_id = delegated("run_id", settable=True)
-    epoch_complete = delegated("epoch_complete")
-    checkpoint_folder = delegated("folder")
-    request_checkpoint = delegated("request")
-    state_dict = delegated("state_dict")
-    load_state_dict = delegated("load")
-
-
 class Checkpointer:
     """Saves and restores the run of ``engine`` (see the module's docstring).
 

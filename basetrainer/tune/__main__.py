@@ -6,6 +6,7 @@ import sys
 from typing import Optional, Sequence
 
 from basetrainer.tune import search, space
+from basetrainer.utils import log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -13,6 +14,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    log.set_logger("info")   # the search's progress lines (one per trial)
     work_dir = ""
     try:
         search.require_optuna()

@@ -177,12 +177,12 @@ class Search:
         study = self.open_study()
         lost = self.recover(study)
         if lost:
-            print(f"search: trial(s) {lost} were interrupted; retrying them with the same parameters", flush=True)
+            logger.info(f"search: trial(s) {lost} were interrupted; retrying them with the same parameters")
         start = time.monotonic()
         timeout = float(self.settings["timeout"] or 0)
         while self.finished(study) < self.settings["trials"]:
             if timeout and time.monotonic() - start > timeout:
-                print(f"search: time budget of {timeout:g} s spent", flush=True)
+                logger.info(f"search: time budget of {timeout:g} s spent")
                 break
             self.run_trial(study)
             report.write_tables(study, self.work_dir, self.settings)
@@ -207,8 +207,8 @@ class Search:
                                 env={**os.environ, setup_config.TRIAL_ENV: overlay}).returncode
         if not os.path.isfile(found_file):
             error = _last_error(os.path.join(folder, "output.log")) or f"exit status {rc}"
-            print(f"search: the check launch of {self.script} gave no figures ({error}); the objective is checked "
-                  f"at the first trial's first epoch", flush=True)
+            logger.warning(f"search: the check launch of {self.script} gave no figures ({error}); the objective is checked "
+                  f"at the first trial's first epoch")
             return
         with open(found_file, encoding="utf-8") as f:
             found = json.load(f)
@@ -219,9 +219,9 @@ class Search:
         if key in figures or key == "lr":
             return
         if found["undeclared"]:
-            print(f"search: objective {key!r} is not among the declared figures {figures}; "
+            logger.warning(f"search: objective {key!r} is not among the declared figures {figures}; "
                   f"{', '.join(found['undeclared'])} declare(s) none (Recorder.figures), so the first trial's "
-                  f"first epoch tells", flush=True)
+                  f"first epoch tells")
             return
         raise SearchError(f"objective {key!r} is not a figure of this run (its recorders write {figures}); "
                           f"set objective in the search file, or --objective, to one of them")
@@ -241,7 +241,7 @@ class Search:
                               "params": sorted(values), "result": result_file}}
         overlay = setup_config.save_config(overrides, os.path.join(folder, "trial.yaml"))
         trial.set_user_attr("folder", os.path.relpath(folder, self.work_dir))
-        print(f"search: trial {trial.number} {json.dumps(values, default=str)}", flush=True)
+        logger.info(f"search: trial {trial.number} {json.dumps(values, default=str)}")
         began = time.monotonic()
         with open(os.path.join(folder, "output.log"), "w") as out:
             rc = subprocess.run([sys.executable, self.script, *self.script_args], stdout=out, stderr=subprocess.STDOUT,
@@ -269,7 +269,7 @@ class Search:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         done = study.get_trials(deepcopy=False)[trial.number]
         shown = f"{done.value:.4f}" if done.value is not None else done.user_attrs.get("error", "")
-        print(f"search: trial {trial.number} {done.state.name.lower()} {shown} ({seconds:.0f} s)", flush=True)
+        logger.info(f"search: trial {trial.number} {done.state.name.lower()} {shown} ({seconds:.0f} s)")
 
 
 def _last_error(log_file: str) -> str:

@@ -105,3 +105,22 @@ def test_full_disk_is_one_line_not_a_traceback(monkeypatch, capsys):
     assert cli.main(["s.py", "--space", "x.yaml"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "database or disk is full" in err[0] and "run the same command again" in err[0], err
+
+
+def test_main_called_from_python_leaves_the_callers_logging_alone(monkeypatch):
+    # CI at 3b499d0: main() configured the basetrainer logger (propagate off, a handler on the
+    # captured stdout); every later test in the process lost its log records (13 failed on pytest 7.4)
+    import logging
+
+    from basetrainer.tune import __main__ as cli
+    from basetrainer.tune import search
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(search, "split_args", stop)
+    lib = logging.getLogger("basetrainer")
+    before = (list(lib.handlers), lib.propagate, lib.level)
+    with pytest.raises(RuntimeError):
+        cli.main(["s.py", "--space", "x.yaml"])
+    assert (list(lib.handlers), lib.propagate, lib.level) == before

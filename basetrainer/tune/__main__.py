@@ -14,7 +14,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
-    log.set_logger("info")   # the search's progress lines (one per trial)
     work_dir = ""
     try:
         search.require_optuna()
@@ -63,4 +62,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    log.set_logger("info")   # the command's own output: the search's progress lines (one per trial);
+    sys.exit(main())         # main() called from Python leaves the caller's logging alone

@@ -150,6 +150,34 @@ def pytest_report_header(config: Any) -> str:
     return f"basetrainer {basetrainer.__version__} from {os.path.dirname(basetrainer.__file__)}"
 
 
+def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
+    """CI (.ci/run) runs the slow and distributed tests of its FLOOR_FILES in the floor
+    environment only, and names those files in ``BASETRAINER_FLOOR_RUNS`` for the run in the
+    newest one, which leaves them out here: each test runs once per CI run, not twice. Unset (a
+    user's ``pytest``), every collected test runs."""
+    elsewhere = set(os.environ.get("BASETRAINER_FLOOR_RUNS", "").split())
+    if not elsewhere:
+        return
+    keep, left = [], []
+    for item in items:
+        moved = item.nodeid.split("::", 1)[0] in elsewhere and (
+            item.get_closest_marker("slow") or item.get_closest_marker("distributed"))
+        (left if moved else keep).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+        _FLOOR_ONLY.append(len(left))
+
+
+_FLOOR_ONLY: List[int] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FLOOR_ONLY:
+        terminalreporter.write_line(f"{_FLOOR_ONLY[0]} slow or distributed tests of BASETRAINER_FLOOR_RUNS's files "
+                                    "were left out here: CI runs them in its floor environment")
+
+
 def _preload_forkserver() -> None:
     """run_distributed starts its ranks from a fork server that imported torch and this file
     once (each spawned rank would import them again: about 3 s of every multi-process test)."""

@@ -140,6 +140,30 @@ def test_the_floor_environment_runs_test_files_that_exist():
     assert not missing, f"FLOOR_FILES in .ci/run names test files that do not exist: {missing}"
 
 
+@pytest.mark.distributed
+def test_the_two_ci_runs_together_run_every_test_once():
+    # .ci/run: the first suite with BASETRAINER_FLOOR_RUNS, the floor's -m "slow or distributed" run
+    # of FLOOR_FILES; conftest's hook must leave out exactly what the second run selects
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert 'BASETRAINER_FLOOR_RUNS="${FLOOR_FILES[*]}" suite .venv\n' in ci
+    assert 'suite .venv-floor -m "slow or distributed" "${FLOOR_FILES[@]}"' in ci
+    files = ["tests/test_docs.py", "tests/test_tune.py"]
+
+    def collected(*args, **env):
+        done = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args, *files],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "BASETRAINER_FLOOR_RUNS": "", **env})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return {line for line in done.stdout.splitlines() if "::" in line}
+
+    everything = collected()
+    first = collected(BASETRAINER_FLOOR_RUNS=" ".join(files))
+    floor = collected("-m", "slow or distributed")
+    assert len(everything) >= 15 and first and floor
+    assert first.isdisjoint(floor) and first | floor == everything
+
+
 def test_requires_python_is_the_tested_interpreter():
     assert _pyproject()["project"]["requires-python"] == ">=3.11"
     assert sys.version_info >= (3, 11)

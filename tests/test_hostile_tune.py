@@ -1,6 +1,7 @@
 """Regressions from a hostile pass on the hyperparameter search (issue 37): search files and flags
 that used to run silently wrong or end in a traceback are each one SearchError (exit status 2)
 before any trial runs."""
+import json
 import os
 import subprocess
 import sys
@@ -124,3 +125,26 @@ def test_main_called_from_python_leaves_the_callers_logging_alone(monkeypatch):
     with pytest.raises(RuntimeError):
         cli.main(["s.py", "--space", "x.yaml"])
     assert (list(lib.handlers), lib.propagate, lib.level) == before
+
+
+@pytest.mark.parametrize("epochs, pruned_epoch, state", [(2, 0, "pruned"), (1, None, "complete")])
+def test_a_trial_judged_worse_after_its_last_epoch_is_complete_not_pruned(tmp_path, epochs, pruned_epoch, state):
+    # the digits search had trials "pruned" after their last epoch: nothing was saved by stopping them
+    optuna = pytest.importorskip("optuna")
+    from optuna.distributions import FloatDistribution
+
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.callbacks.tune_report import TuneReport
+    from conftest import ToyTrainer, toy_cfg
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, direction="minimize")
+    study.add_trial(optuna.trial.create_trial(params={"lr": 0.1}, distributions={"lr": FloatDistribution(0.01, 1)},
+                                              value=0.0, intermediate_values={0: 0.0, 1: 0.0}))
+    trial = study.ask()   # worse than the median (0.0) at every epoch: MedianPruner prunes it when asked
+    report = TuneReport({"storage": storage, "study": "s", "trial": trial.number, "objective": "train/loss",
+                         "direction": "minimize", "pruner": {"type": "median", "n_startup_trials": 0},
+                         "params": [], "result": str(tmp_path / "result.json")})
+    ToyTrainer(toy_cfg(num_epochs=epochs), callbacks=[LossesRecorder(indicator="loss"), report]).run()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (report.pruned_epoch, result["state"], len(result["values"])) == (pruned_epoch, state, 1)

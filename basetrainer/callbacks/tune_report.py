@@ -125,7 +125,8 @@ class TuneReport(Callback):
                 nni.report_intermediate_result(value)
             elif math.isfinite(value):
                 self._trial.report(value, epoch)
-                prune = self._trial.should_prune()
+                # after the last epoch a stop saves nothing: the trial is complete, whatever the pruner says
+                prune = epoch + 1 < self.trainer.num_epochs and self._trial.should_prune()
         if comm.broadcast_object(prune):   # rank 0 decides; every rank stops after this epoch
             self.pruned_epoch = epoch
             self.trainer.stop_training = True

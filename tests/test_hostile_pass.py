@@ -95,9 +95,9 @@ def test_two_runs_started_together_do_not_both_claim_the_folder(tmp_path, monkey
 
 _TRICKLE_CHILD = r"""
 import sys, logging
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {root!r} + "/tests")
 logging.basicConfig(level=logging.WARNING)
-from tests.conftest import ToyTrainer, toy_cfg
+from toys import ToyTrainer, toy_cfg
 from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.mlflow_logger import MLflowLogger
@@ -208,11 +208,11 @@ def test_a_metric_whose_update_needs_a_keyword_argument_is_refused_when_built():
 
 _WANDB_CHILD = r"""
 import os, sys, logging
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {root!r} + "/tests")
 os.environ["WANDB_BASE_URL"] = {uri!r}
 os.environ["WANDB_API_KEY"] = "x" * 40
 logging.basicConfig(level=logging.WARNING)
-from tests.conftest import ToyTrainer, toy_cfg
+from toys import ToyTrainer, toy_cfg
 from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.wandb_logger import WandbLogger

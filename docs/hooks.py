@@ -72,7 +72,7 @@ CONFIG_MARKER = "<!-- config-keys -->"
 KEY_PAGES: Dict[str, str] = {
     "strategy": "large-models.md", "fsdp_wrap": "large-models.md", "reshard_after_forward": "large-models.md",
     "activation_checkpointing": "large-models.md", "fsdp_meta_init": "large-models.md",
-    "loggers": "trackers.md", "mlflow_uri": "trackers.md",
+    "loggers": "trackers.md", "mlflow_uri": "trackers.md", "tracker_deadline": "trackers.md",
     "resume": "checkpoints.md#resume", "overwrite": "checkpoints.md#a-rerun-into-a-used-folder",
     "start_save": "checkpoints.md#what-a-run-writes", "gpu_id": "modes.md", "distributed": "modes.md",
     "sync_bn": "modes.md#ddp-equals-one-process", "seed_per_sample": "modes.md#randomness",

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+from basetrainer.callbacks.trackers import Tracker
 from basetrainer.utils import setup_config
 from conftest import ROOT, ToyTrainer, toy_cfg, weight_diff
 
@@ -736,3 +738,257 @@ def test_every_mlflow_request_of_the_run_is_bounded_and_the_users_settings_win(m
         assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77"
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77" and "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+
+
+# ------------------------------------------------------------------------------ a call that never returns
+class _Stuck(Tracker):
+    """A tracker with no package: its call ``stuck`` (start, epoch <n>, finish) waits until the
+    test ends, as a client whose server never answers; it records the rest."""
+
+    name = "stuck"
+
+    def __init__(self, stuck, forever, **kwargs):
+        super().__init__(**kwargs)
+        self.stuck, self.forever, self.calls = stuck, forever, []
+
+    def _call(self, what):
+        if what == self.stuck:
+            self.forever.wait()
+        self.calls.append(what)
+
+    def _start(self, start_epoch):
+        self._call("start")
+
+    def _epoch(self, epoch, figures, global_step):
+        self._call(f"epoch {epoch}")
+
+    def _step(self, global_step, figures):
+        self._call(f"step {global_step}")
+
+    def _finish(self, done):
+        self._call("finish")
+
+
+@pytest.fixture
+def forever():
+    event = threading.Event()
+    yield event
+    event.set()   # the stuck call returns: no thread outlives the test
+
+
+@pytest.mark.parametrize("stuck,call", [("start", "starting the run"), ("step 6", "logging step 6"),
+                                        ("epoch 1", "logging epoch 1"), ("finish", "ending the run")])
+def test_a_tracker_call_that_never_returns_turns_it_off_once_and_training_finishes(tmp_path, caplog, forever,
+                                                                                     stuck, call):
+    work = tmp_path / "work"
+    tracker = _Stuck(stuck, forever, deadline=1)
+    clock = Clock()
+    with caplog.at_level(logging.WARNING):
+        _, history = _run(work, [clock, LossesRecorder(), LogHistory(str(work / "log"), log_freq=2), tracker],
+                          loggers=["csv"], num_epochs=3)
+    warnings = _tracker_warnings(caplog.records, "_Stuck")
+    assert len(warnings) == 1, [w.getMessage() for w in warnings]
+    assert (f"_Stuck: {call} did not finish within its deadline of 1 s" in warnings[0].getMessage()
+            and "raise _Stuck(deadline=...)" in warnings[0].getMessage()
+            and "training goes on" in warnings[0].getMessage())
+    assert [r["epoch"] for r in _csv(work / "log" / "history.csv")] == [0, 1, 2] and len(history) == 3
+    # 4 steps an epoch, a log every 2: the calls in order, none after the stuck one
+    assert tracker.calls == {"start": [], "step 6": ["start", "step 2", "step 4", "epoch 0"],
+                             "epoch 1": ["start", "step 2", "step 4", "epoch 0", "step 6", "step 8"],
+                             "finish": ["start", "step 2", "step 4", "epoch 0", "step 6", "step 8", "epoch 1",
+                                        "step 10", "step 12", "epoch 2"]}[stuck]
+    assert tracker.failed and not tracker._active
+    warned = warnings[0].created
+    if stuck == "start":     # training waited the deadline for it, and no more
+        assert 1 <= clock.epochs[0] - clock.begin < 1 + 5
+    if stuck == "step 6":    # queued: training went on; epoch 1's log waited for it, the deadline
+        assert clock.epochs[0] < warned < clock.epochs[2] and warned - clock.epochs[1] < 1 + 5
+    if stuck == "epoch 1":   # epoch 1's end waited the deadline, then training went on
+        assert 1 <= warned - clock.epochs[1] < 1 + 5 and clock.epochs[2] > warned
+    if stuck == "finish":
+        assert 1 <= warned - clock.epochs[2] < 1 + 5
+
+
+def test_tracker_deadline_is_a_config_key_with_a_default_and_refuses_a_bad_value(tmp_path, forever):
+    assert setup_config.engine_defaults().tracker_deadline == 60.0
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"config key 'tracker_deadline' = {bad!r} must be a positive number"):
+            setup_config.validate(setup_config.Config(tracker_deadline=bad))
+    with pytest.raises(TypeError, match="config key 'tracker_deadline' = 'soon'"):
+        setup_config.validate(setup_config.Config(tracker_deadline="soon"))
+    for bad in (0, -2, float("nan"), "5", True):
+        with pytest.raises(ValueError, match=rf"deadline={bad!r} must be a positive number of seconds \(default 60\)"):
+            _Stuck("start", forever, deadline=bad)
+    work = tmp_path / "work"   # the config's value is the one the tracker keeps to
+    tracker = _Stuck("finish", forever)
+    _run(work, [LossesRecorder(), LogHistory(str(work / "log"), log_freq=2), tracker], loggers=["csv"],
+         num_epochs=1, tracker_deadline=0.25)
+    assert tracker.call_deadline() == 0.25 and tracker.failed
+
+
+
+# Every call to a tracker's client runs within the deadline (tracker_deadline): here a log call
+# that blocks without end in the middle of the run (epoch 1's row; the client's method is
+# replaced by one that waits forever, as a server that never answers would). The deadline is
+# 10 s: the start must fit in it, and starting a local MLflow store or W&B offline takes 4-6 s
+# on this machine's loaded 2 cores (imports, W&B's service).
+DEADLINE = 10
+BLOCKED_LOG_CHILD = textwrap.dedent("""
+    import atexit, logging, os, sys, threading, time
+    atexit.register(lambda: print("EXITING", time.time(), flush=True))   # the last exit hook
+    sys.path.insert(0, {tests!r})
+    logging.basicConfig(level=logging.WARNING, format="%(created).3f %(levelname)s %(name)s: %(message)s")
+    from conftest import ToyTrainer, toy_cfg
+    from basetrainer.callbacks.callbacks import Callback
+    from basetrainer.callbacks.log_history import LogHistory
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+
+    work, tracker = sys.argv[1], sys.argv[2]
+    forever = threading.Event()
+    if tracker == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        real = MlflowClient.log_batch
+
+        def log_batch(self, run_id, metrics=(), **kwargs):
+            if any(m.key == "epoch_time" and m.step == 1 for m in metrics):
+                forever.wait()
+            return real(self, run_id, metrics=metrics, **kwargs)
+
+        MlflowClient.log_batch = log_batch
+    else:
+        import wandb
+
+        real = wandb.Run.log
+
+        def log(self, data, *args, **kwargs):
+            if data.get("epoch") == 1:
+                forever.wait()
+            return real(self, data, *args, **kwargs)
+
+        wandb.Run.log = log
+
+    class Clock(Callback):
+        def on_train_begin(self, logs=None):
+            print("BEGIN", time.time(), flush=True)
+
+        def on_epoch_end(self, epoch, logs=None):
+            print(f"EPOCH{{epoch}}", time.time(), flush=True)
+
+    cfg = toy_cfg(num_epochs=3, n_train=64, n_test=16, work_dir=work, log_freq=2, loggers=["csv", tracker],
+                  tracker_deadline={deadline})
+    ToyTrainer(cfg, callbacks=[Clock(), LossesRecorder(), LogHistory(os.path.join(work, "log"), log_freq=2)]).run()
+    print("TRAINED", time.time(), flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed   # a child process
+@pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
+def test_a_log_call_that_never_returns_costs_the_deadline_once(tmp_path, empty_store, tracker):
+    if not (HAVE_MLFLOW if tracker == "mlflow" else HAVE_WANDB):
+        pytest.skip(f"{tracker} not installed")
+    name = {"mlflow": "MLflowLogger", "wandb": "WandbLogger"}[tracker]
+    work = tmp_path / "work"
+    if tracker == "mlflow":
+        _store(str(work), empty_store)
+    script = tmp_path / "child.py"
+    script.write_text(BLOCKED_LOG_CHILD.format(tests=os.path.join(ROOT, "tests"), deadline=DEADLINE))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wandb_dir"),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache")}
+    child = subprocess.Popen([PY, str(script), str(work), tracker], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        out, err = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    exited = time.time()
+    assert child.returncode == 0, err[-3000:]
+    marks = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+             if line.startswith(("BEGIN", "EPOCH", "TRAINED", "EXITING"))}
+    warnings = [line for line in err.splitlines() if " WARNING " in line and name in line]
+    assert len(warnings) == 1, err[-3000:]
+    assert f"logging epoch 1 did not finish within its deadline of {DEADLINE} s" in warnings[0]
+    assert "raise the config key tracker_deadline" in warnings[0] and "training goes on" in warnings[0]
+    waited = float(warnings[0].split()[0]) - marks["EPOCH1"]
+    assert DEADLINE <= waited < DEADLINE + 4, f"{waited:.1f} s from epoch 1's end to the warning"
+    assert marks["TRAINED"] - marks["EPOCH1"] < DEADLINE + 6, marks   # the end waits for the stuck log
+    assert marks["EXITING"] - marks["TRAINED"] < 3, marks      # no thread nor exit hook waits for it (0.03 s)
+    assert exited - marks["TRAINED"] < 20, marks               # torch's own teardown: ~4 s under load
+    rows = _csv(work / "log" / "history.csv")
+    assert [r["epoch"] for r in rows] == [0, 1, 2]            # training went on to the end
+    if tracker == "mlflow":   # epoch 0 reached the store, nothing after the stuck call
+        client, runs = _runs(work)
+        assert len(runs) == 1
+        history = client.get_metric_history(runs[0].info.run_id, "train/loss")
+        assert [(m.step, m.value) for m in history] == [(0, pytest.approx(rows[0]["train/loss"], rel=1e-12))]
+
+
+def _blocked_tracker_under_ddp(rank, work, store, where):
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from basetrainer.callbacks.mlflow_logger import MLflowLogger
+
+    forever = threading.Event()
+    if where == "start":   # the server never answers the run's creation
+        MlflowClient.create_run = lambda self, *args, **kwargs: forever.wait()
+    else:                  # nor epoch 1's row
+        real = MlflowClient.log_batch
+
+        def log_batch(self, run_id, metrics=(), **kwargs):
+            if any(m.key == "epoch_time" and m.step == 1 for m in metrics):
+                forever.wait()
+            return real(self, run_id, metrics=metrics, **kwargs)
+
+        MlflowClient.log_batch = log_batch
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING and "MLflowLogger" in record.getMessage():
+                messages.append((record.created, record.getMessage()))
+
+    handler = Keep()
+    logging.getLogger("basetrainer").addHandler(handler)
+    clock = Clock()
+    cfg = toy_cfg(num_epochs=3, n_train=64, n_test=16, work_dir=work, log_freq=2, distributed=True, loggers=["csv"])
+    callbacks = [clock, LossesRecorder(), LogHistory(os.path.join(work, "log"), log_freq=2),
+                 MLflowLogger(uri=f"sqlite:///{store}", deadline=DEADLINE)]
+    history = ToyTrainer(cfg, callbacks=callbacks).run().epochs
+    ended = time.time()
+    logging.getLogger("basetrainer").removeHandler(handler)
+    return {"begin": clock.begin, "epochs": clock.epochs, "ended": ended, "history": history, "warnings": messages}
+
+
+@pytest.mark.slow
+@needs_mlflow
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["start", "epoch 1"])
+def test_a_stuck_tracker_on_rank_0_holds_the_other_rank_at_most_the_deadline(tmp_path, empty_store, where):
+    from conftest import run_distributed
+
+    store = tmp_path / "store"
+    _store(str(store), empty_store)
+    ranks = run_distributed(_blocked_tracker_under_ddp, 2, tmp_path, str(tmp_path / "work"),
+                            str(store / "mlflow.db"), where, timeout=200)
+    joined = time.time()
+    warnings = ranks[0]["warnings"]
+    assert len(warnings) == 1 and ranks[1]["warnings"] == [], warnings   # rank 0 talks to the tracker
+    call = "starting the run" if where == "start" else "logging epoch 1"
+    assert f"{call} did not finish within its deadline of {DEADLINE} s" in warnings[0][1]
+    for rank in ranks:
+        assert rank["history"] == ranks[0]["history"] and len(rank["history"]) == 3
+    if where == "start":   # rank 1 waits for rank 0 in its first collective: the deadline, not gloo's 60 s
+        assert DEADLINE <= warnings[0][0] - ranks[0]["begin"] < DEADLINE + 4
+        for rank in ranks:
+            assert rank["epochs"][0] - rank["begin"] < DEADLINE + 10, rank
+    else:                  # rank 0 waits the deadline at epoch 1's end, rank 1 for rank 0 in its next collective
+        assert DEADLINE <= warnings[0][0] - ranks[0]["epochs"][1] < DEADLINE + 4
+        for rank in ranks:
+            assert rank["epochs"][2] - rank["epochs"][1] < DEADLINE + 10, rank
+            assert rank["ended"] - rank["epochs"][1] < DEADLINE + 15, rank
+    # each rank process ended soon after run() returned on rank 0 (a barrier, the group's teardown)
+    assert joined - ranks[0]["ended"] < 15, f"{joined - ranks[0]['ended']:.1f} s from the end of run() to the exit"

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, Optional
 from basetrainer.callbacks import reachability
 from basetrainer.callbacks.trackers import Tracker, import_tracker_package, require
 from basetrainer.runtime.checkpoint import QUIET_KEYS, plain
+from basetrainer.runtime.deadline import check_seconds
 
 _logger = logging.getLogger(__name__)
 
@@ -44,11 +45,14 @@ class MLflowLogger(Tracker):
         run_name: the run's name (default: the name of ``work_dir``).
         log_best_model: log the best weights as an artifact at the end.
         timeout: seconds the tracking server may take to answer (the probe, each request).
+        deadline: seconds one call (starting the run, an epoch's log, an upload, ending the
+            run) may take in all, however the server answers; default: the config's
+            ``tracker_deadline`` (60 s).
 
     Raises:
         ImportError: mlflow is not installed (``pip install "basetrainer[mlflow]"``).
-        ValueError: ``timeout`` is not a positive number; at ``on_train_begin``, a URI with a
-            scheme MLflow has no store for.
+        ValueError: ``timeout`` or ``deadline`` is not a positive number; at
+            ``on_train_begin``, a URI with a scheme MLflow has no store for.
 
     Example::
 
@@ -59,12 +63,10 @@ class MLflowLogger(Tracker):
     name = "mlflow"
 
     def __init__(self, uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
-                 log_best_model: bool = True, timeout: float = 5.0) -> None:
-        super().__init__()
+                 log_best_model: bool = True, timeout: float = 5.0, deadline: Optional[float] = None) -> None:
+        super().__init__(deadline)
         require("mlflow", "mlflow", "loggers: mlflow (MLflowLogger)")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default 5)")
-        self.timeout = float(timeout)
+        self.timeout = check_seconds(timeout, "timeout", 5)
         self.uri = uri
         self.experiment = experiment
         self.run_name = run_name
@@ -84,8 +86,12 @@ class MLflowLogger(Tracker):
     def _calls(self) -> Any:
         return _bounded_requests(self.timeout)
 
-    def _start(self, start_epoch: int) -> None:
+    def _import(self) -> None:
         import_tracker_package("mlflow", "mlflow", "loggers: mlflow (MLflowLogger)")
+        import mlflow.entities  # noqa: F401
+        import mlflow.tracking  # noqa: F401
+
+    def _start(self, start_epoch: int) -> None:
         from mlflow.entities import Param, RunStatus, RunTag
         from mlflow.tracking import MlflowClient
 

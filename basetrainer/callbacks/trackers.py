@@ -34,7 +34,13 @@ The rules every tracker follows:
   logs one warning and stops logging; training goes on. A server that does not answer costs
   seconds, not minutes: it is asked once (``HEAD /``) with a short timeout before the tracker's
   client is handed it (:mod:`basetrainer.callbacks.reachability`), and MLflow's requests are
-  bounded (``timeout``) for the whole run.
+  bounded (``timeout``) for the whole run;
+- every call to the client runs in order on the tracker's own daemon thread within a wall-clock
+  deadline (``deadline``, else the config's ``tracker_deadline``; :mod:`basetrainer.runtime.deadline`):
+  the start, an epoch's log (so that it is stored before the epoch's checkpoint), uploads and the
+  end are waited for at most that long; the ``log_freq`` steps' logs are queued. A call past it
+  turns the tracker off with one warning naming the call, the deadline and the key to raise;
+  training goes on, and the stuck call never holds the process's exit.
 """
 import contextlib
 import importlib
@@ -48,8 +54,12 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, T
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.runtime import atomic
 from basetrainer.runtime.checkpoint import plain
+from basetrainer.runtime.deadline import CallFailed, DeadlineExceeded, Worker, check_seconds
+from basetrainer.utils.setup_config import ENGINE_KEYS
 
 _logger = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE = float(ENGINE_KEYS["tracker_deadline"][0])   # seconds one tracker call may take
 
 
 def require(module: str, extra: str, what: str) -> None:
@@ -78,22 +88,29 @@ class Tracker(Callback):
     """Base class of the experiment trackers: LogHistory calls :meth:`log_epoch` and
     :meth:`log_step` on the main process; the tracker starts its run in ``on_train_begin`` and
     ends it in ``on_train_end``. A subclass implements the ``_start``, ``_epoch``, ``_step``,
-    ``_finish`` hooks; every call to them is guarded: the first failure logs one warning and
-    the tracker logs nothing more in that run.
+    ``_finish`` hooks; every call to them is guarded: they run in order on the tracker's own
+    thread, each within the deadline, and the first failure or overrun logs one warning and the
+    tracker logs nothing more in that run.
 
     Args:
-        name: the tracker's name in messages and in LogHistory's state.
+        deadline: seconds one call (starting the run, an epoch's log, an upload, ending the
+            run) may take; default: the config's ``tracker_deadline`` (60 s).
+
+    Raises:
+        ValueError: ``deadline`` is not a positive number.
     """
 
-    name = "tracker"
+    name = "tracker"   # the tracker's name in messages and in LogHistory's state
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: Optional[float] = None) -> None:
         super().__init__()
+        self.deadline = None if deadline is None else check_seconds(deadline, "deadline", DEFAULT_DEADLINE)
         self.run_id: Optional[str] = None
         self.job: Optional[str] = None   # basetrainer's run id that ``run_id`` belongs to
         self.log_history: Any = None     # the LogHistory whose figures this tracker gets
         self.failed = False
         self._active = False
+        self._worker: Optional[Worker] = None   # this run's thread for the client's calls
 
     # ------------------------------------------------------------------ wiring
     def attach(self, log_history: Any) -> None:
@@ -107,19 +124,40 @@ class Tracker(Callback):
         self.run_id = state.get("run_id") or self.run_id
         self.job = state.get("job") or self.job
 
-    def _guard(self, action: str, fn: Callable[[], Any]) -> Any:
-        """Run ``fn``; the first failure turns this tracker off with one warning."""
-        if self.failed:
+    def _guard(self, action: str, fn: Callable[[], Any], wait: bool = True) -> Any:
+        """Run ``fn`` on this tracker's thread, and wait for it (at most the deadline once it
+        runs), or with ``wait=False`` queue it and return; the first failure or overrun turns
+        this tracker off with one warning."""
+        if self.failed or self._worker is None:
             return None
-        try:
+
+        def bounded() -> Any:
             with self._calls():
                 return fn()
+
+        try:
+            if wait:
+                return self._worker.call(action, bounded)
+            self._worker.post(action, bounded)
+        except DeadlineExceeded as e:
+            where = (f"{type(self).__name__}(deadline=...)" if self.deadline is not None
+                     else "the config key tracker_deadline")
+            self._turn_off(f"{e.what} did not finish within its deadline of {e.deadline:g} s (a server that "
+                           f"answers too slowly, or not at all); to wait longer raise {where}, to go without "
+                           f"it remove {self.name!r} from loggers (or the {type(self).__name__} from your callbacks)")
+        except CallFailed as e:
+            self._turn_off(f"{e.what} failed ({type(e.error).__name__}: {e.error})")
         except Exception as e:
-            self.failed = True
-            self._active = False
-            _logger.warning("%s: %s failed (%s: %s); it logs nothing more in this run, training goes on",
-                            type(self).__name__, action, type(e).__name__, e)
-            return None
+            self._turn_off(f"{action} failed ({type(e).__name__}: {e})")
+        return None
+
+    def _turn_off(self, why: str) -> None:
+        self.failed = True
+        self._active = False
+        if self._worker is not None:
+            self._worker.close()   # a call past its deadline stays on the daemon thread, given up
+            self._worker = None
+        _logger.warning("%s: %s; it logs nothing more in this run, training goes on", type(self).__name__, why)
 
     def _calls(self) -> ContextManager[Any]:
         """The context every call to the hooks runs in (a subclass may bound its client's
@@ -174,6 +212,11 @@ class Tracker(Callback):
         if self.job is not None and self.job != job:   # a new run from another run's checkpoint
             self.run_id = None
         self.job = job
+        self._worker = Worker(f"basetrainer-{self.name}", self.call_deadline())
+        try:   # here: an import talks to no server, and a first import's seconds are not the server's
+            self._import()
+        except Exception as e:
+            self._turn_off(f"starting the run failed ({type(e).__name__}: {e})")
         self._guard("starting the run", lambda: self._start(start))
         self._active = not self.failed
         if start and self._active:   # resumed: the epochs before it, where the run lacks them
@@ -191,7 +234,7 @@ class Tracker(Callback):
     def log_step(self, global_step: int, figures: Dict[str, float]) -> None:
         """The running train figures of a ``log_freq`` step, x = ``global_step``."""
         if self._active and self.is_main_process:
-            self._guard(f"logging step {global_step}", lambda: self._step(global_step, figures))
+            self._guard(f"logging step {global_step}", lambda: self._step(global_step, figures), wait=False)
 
     def log_artifacts(self, paths: List[str], folder: str = "") -> None:
         """Files (e.g. an evaluation report and its PNGs) as artifacts of the run, under ``folder``."""
@@ -208,13 +251,29 @@ class Tracker(Callback):
         try:   # the best weights file is complete once the background writes are
             atomic.wait_for_writes()
         except Exception:   # a failed checkpoint write: raised (never hidden in a tracker warning)
-            self._guard("ending the run", lambda: self._finish(False))
-            self._active = False
+            self._end(False)
             raise
-        self._guard("ending the run", lambda: self._finish(done))
+        self._end(done)
+
+    def _end(self, done: bool) -> None:
+        self._guard("ending the run", lambda: self._finish(done))   # after the queued logs
         self._active = False
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def call_deadline(self) -> float:
+        """Seconds one call may take: ``deadline``, else the config's ``tracker_deadline``."""
+        if self.deadline is not None:
+            return self.deadline
+        cfg = getattr(self.trainer, "cfg", None)
+        value = cfg.get("tracker_deadline") if hasattr(cfg, "get") else None
+        return DEFAULT_DEADLINE if value is None else check_seconds(value, "tracker_deadline", DEFAULT_DEADLINE)
 
     # ------------------------------------------------------------------ hooks
+    def _import(self) -> None:
+        """Import the client's package (on the calling thread, before the deadline's clock)."""
+
     def _start(self, start_epoch: int) -> None:
         raise NotImplementedError
 

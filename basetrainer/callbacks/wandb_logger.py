@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 
 from basetrainer.callbacks import reachability
 from basetrainer.callbacks.trackers import Tracker, import_tracker_package, require
+from basetrainer.runtime.deadline import check_seconds
 
 _logger = logging.getLogger(__name__)
 
@@ -33,25 +34,27 @@ class WandbLogger(Tracker):
         mode: ``online``, ``offline`` or ``disabled`` (default: ``$WANDB_MODE``, else W&B's).
         tags: tags of the run.
         log_best_model: log the best weights as an artifact at the end.
-        timeout: seconds the W&B server may take to answer before the run is given up with
-            one warning (online only: its address is probed before ``wandb.init``, which waits
-            90 s for a server that does not answer, after its own retries).
+        timeout: seconds the W&B server may take to answer the probe of its address, made
+            before ``wandb.init`` (online only) so that a dead server costs that, not the
+            deadline.
+        deadline: seconds one call (``wandb.init``, an epoch's log, an upload, ``finish``) may
+            take in all; default: the config's ``tracker_deadline`` (60 s). W&B is told it too
+            (its ``init_timeout`` and ``finish_timeout``), so that it gives up by itself and
+            its exit hook does not wait longer.
 
     Raises:
         ImportError: wandb is not installed (``pip install "basetrainer[wandb]"``).
-        ValueError: ``timeout`` is not a positive number.
+        ValueError: ``timeout`` or ``deadline`` is not a positive number.
     """
 
     name = "wandb"
 
     def __init__(self, project: Optional[str] = None, entity: Optional[str] = None, name: Optional[str] = None,
                  dir: Optional[str] = None, mode: Optional[str] = None, tags: Optional[List[str]] = None,
-                 log_best_model: bool = True, timeout: float = 5.0) -> None:
-        super().__init__()
+                 log_best_model: bool = True, timeout: float = 5.0, deadline: Optional[float] = None) -> None:
+        super().__init__(deadline)
         require("wandb", "wandb", "loggers: wandb (WandbLogger)")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default 5)")
-        self.timeout = float(timeout)
+        self.timeout = check_seconds(timeout, "timeout", 5)
         self.project = project
         self.entity = entity
         self.run_name = name
@@ -62,8 +65,12 @@ class WandbLogger(Tracker):
         self.run: Any = None
         self._next_step = 0    # W&B takes rows at this step or later
 
+    def _import(self) -> None:
+        import_tracker_package("wandb", "wandb", "loggers: wandb (WandbLogger)")
+
     def _start(self, start_epoch: int) -> None:
-        wandb = import_tracker_package("wandb", "wandb", "loggers: wandb (WandbLogger)")
+        import wandb
+
         folder = os.path.abspath(self.dir) if self.dir else self.folder()
         os.makedirs(folder, exist_ok=True)
         config = self.config()
@@ -74,13 +81,22 @@ class WandbLogger(Tracker):
         self.run = run = wandb.init(project=self.project or os.environ.get("WANDB_PROJECT") or "basetrainer",
                                     entity=self.entity, name=self.run_name or os.path.basename(self.folder()),
                                     dir=folder, mode=self.mode, tags=self.tags, id=self.run_id, resume="allow",
-                                    reinit="create_new", settings=wandb.Settings(console="off", x_disable_stats=True))
+                                    reinit="create_new", settings=self._settings(wandb))
         self._next_step = int(getattr(run, "step", 0) or 0)    # a resumed online run: past its last row
         run.config.update(config, allow_val_change=True)   # a key changed on resume takes its new value
         run.define_metric("global_step")
         run.define_metric("epoch")
         run.define_metric("train_step/*", step_metric="global_step")
         _logger.info("W&B: run %s in %s", self.run_id, folder)
+
+    def _settings(self, wandb: Any) -> Any:
+        """W&B's settings of the run: no console capture, no system stats, and W&B's own waits
+        (for ``wandb.init``, and for the uploads of ``finish`` and of its exit hook) no longer
+        than the deadline (where this W&B version has them)."""
+        deadline = self.call_deadline()
+        known = getattr(wandb.Settings, "model_fields", {})
+        bounds = {k: deadline for k in ("init_timeout", "finish_timeout") if k in known}
+        return wandb.Settings(console="off", x_disable_stats=True, **bounds)
 
     def _server(self, wandb: Any) -> Optional[str]:
         """The W&B server this run would talk to (``WANDB_BASE_URL``, else W&B's settings

@@ -121,6 +121,9 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "loggers": (["tensorboard", "csv"], "loggers", "where LogHistory's figures go: any of tensorboard, csv "
                                                     "(history.csv), mlflow, wandb (extras mlflow / wandb)"),
     "mlflow_uri": ("", "optpath", "MLflow tracking URI; '' = sqlite:///<work_dir>/mlflow.db"),
+    "tracker_deadline": (60.0, "number", "seconds one call to a tracker (MLflow, W&B: starting the run, a log, an "
+                                         "upload, ending the run) may take before it is turned off with one "
+                                         "warning; training goes on"),
 }
 
 # The names ``loggers`` accepts (LogHistory writes the first two; basetrainer.callbacks.trackers
@@ -225,6 +228,9 @@ def validate(cfg: Any) -> None:
     for key in ("batch_size", "num_epochs", "log_freq", "accumulate_steps"):
         if key in cfg and cfg[key] <= 0:
             raise ValueError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
+    if "tracker_deadline" in cfg and not 0 < cfg["tracker_deadline"] < math.inf:
+        raise ValueError(f"config key 'tracker_deadline' = {cfg['tracker_deadline']!r} must be a positive number of "
+                         f"seconds (default 60); to go without a tracker, remove it from loggers")
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"

@@ -87,7 +87,9 @@ def visible_text(page: str) -> str:
 def test_readme_is_a_front_door_whose_links_resolve():
     readme = _readme()
     lines = len(readme.splitlines())
-    assert lines <= 200, f"README.md has {lines} lines; the detail belongs on a docs page"
+    # 200 lines until README's trainer became a whole script a newcomer can paste and run (67 lines,
+    # tests/test_readme.py runs it): the rest of the detail still belongs on a docs page
+    assert lines <= 240, f"README.md has {lines} lines; the detail belongs on a docs page"
     links = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", readme)
     local = [link for link in links if not re.match(r"[a-z]+://", link)]
     assert len(local) >= 15, local      # the docs pages, CHANGELOG.md, LICENSE

@@ -7,11 +7,15 @@ Usage, from the root of a checkout (best a fresh clone, so setup.sh really insta
     python3 bench/readme_figures.py                    # everything, ~10 min on 2 CPU cores
     python3 bench/readme_figures.py --skip-tests       # setup + the examples only
     python3 bench/readme_figures.py --skip-setup --skip-example --skip-tests   # segmentation + regression only
-    python3 bench/readme_figures.py --out docs         # also write docs/figures.md
+    python3 bench/readme_figures.py --out docs         # also write docs/figures.md and the quotes
+    python3 bench/readme_figures.py --quote            # only rewrite the quotes from docs/figures.md
 
 Only the standard library is used here: the script runs ``./setup.sh`` first (timed; a no-op on
 a checkout that is already set up) and everything else with ``.venv/bin/python``. It prints one
-JSON document; ``--out`` also writes ``figures.md`` there. The benchmark and pruning figures
+JSON document; ``--out`` also writes ``figures.md`` there. docs/figures.md is the one source of
+the Quickstart's figure: README.md and docs/index.md quote it between ``<!-- quickstart-figure:
+... -->`` and ``<!-- /quickstart-figure -->``, rewritten from docs/figures.md by ``--out docs``
+and ``--quote`` (tests/test_readme.py checks that they agree). The benchmark and pruning figures
 have their own scripts (``bench/bench_loop.py``, ``bench/prune_latency.py``).
 """
 import argparse
@@ -196,14 +200,108 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------- the quotes
+FIGURES_MD = os.path.join(ROOT, "docs", "figures.md")
+QUOTE = re.compile(r"(<!-- quickstart-figure: [^\n]*-->\n)(.*?)(<!-- /quickstart-figure -->)", re.S)
+QUOTED_IN = {"readme": os.path.join(ROOT, "README.md"), "index": os.path.join(ROOT, "docs", "index.md")}
+VAL_IMAGES = 360         # examples/prepare_data.py's validation split of the 1,797 digits
+DEFAULT_WORK_DIR = "work_space/digits"   # configs/config.yaml's (the script runs the example elsewhere)
+
+
+def parse_figures_md(text: str) -> Dict[str, Any]:
+    """The machine and the example's figures from a figures.md that :func:`markdown` wrote."""
+    head = re.search(r"on (?P<date>\S+ \S+) at commit (?P<commit>\w+): (?P<cpu>.+?), (?P<cores>\d+) cores, "
+                     r"(?P<memory>\S+) GiB, (?P<os>.+?), (?P<gpu>a CUDA GPU|no GPU); Python (?P<python>\S+), "
+                     r"torch (?P<torch>\S+), torchvision (?P<torchvision>\S+);", text)
+    if head is None:
+        raise ValueError("docs/figures.md has no 'Measured by ... on <date> at commit <commit>: ...' line: "
+                         "rewrite it with python3 bench/readme_figures.py --out docs")
+    rows = [line.split(" | ", 1)[1].rstrip(" |") for line in text.splitlines()
+            if line.startswith("| ") and " | " in line[2:]]
+    start = next((i for i, row in enumerate(rows) if row.startswith("final test/Accuracy")), None)
+    if start is None:
+        raise ValueError("docs/figures.md holds no example figures (it was written with --skip-example): "
+                         "rewrite it with python3 bench/readme_figures.py --out docs")
+    final = re.match(r"final test/Accuracy (\S+) \(best (\S+)\) after (\d+) epochs", rows[start])
+    took = re.match(r"(\d+) s \(digits prepared beforehand in (\d+) s", rows[start + 1])
+    epochs = [float(t) for t in rows[start + 2].rstrip(" s").split(", ")]
+    disk = re.match(r"([\d,]+) bytes", rows[start + 3])
+    return {**head.groupdict(), "cores": int(head.group("cores")), "final_accuracy": float(final.group(1)),
+            "best_accuracy": float(final.group(2)), "epochs": int(final.group(3)), "seconds": int(took.group(1)),
+            "prepare_seconds": int(took.group(2)), "epoch_seconds": epochs,
+            "disk_bytes": int(disk.group(1).replace(",", ""))}
+
+
+def quote(m: Dict[str, Any], page: str) -> str:
+    """What README.md (``page="readme"``) or the docs' front page (``"index"``) says of the
+    Quickstart's first command: its last line of output and when, where and how fast it was measured."""
+    line = (f"    final test/Accuracy: {m['final_accuracy']:.4f} (best {m['best_accuracy']:.4f}) after "
+            f"{m['epochs']} epochs; work_dir: {DEFAULT_WORK_DIR}")
+    machine = f"{m['cpu']}, {m['cores']} cores, {'a CUDA GPU' if m['gpu'] == 'a CUDA GPU' else 'no GPU'}"
+    wrong = round((1 - m["final_accuracy"]) * VAL_IMAGES)
+    spread = (f"Another CPU or torch build can differ by a few test images (1/{VAL_IMAGES} = "
+              f"{1 / VAL_IMAGES:.4f} each); the spread over seeds and machines is not measured yet.")
+    if page == "readme":
+        text = (f"Measured by `bench/readme_figures.py` on {m['date']} at commit {m['commit']} ({machine}; "
+                f"torch {m['torch']}): {m['seconds']} s for the command, the digits already written "
+                f"([all figures](docs/figures.md)). {spread}")
+    else:
+        text = (f"Measured by `bench/readme_figures.py` on {m['date']} at commit {m['commit']} ({machine}, "
+                f"{m['memory']} GiB; Python {m['python']}, torch {m['torch']}): **{100 * m['final_accuracy']:.1f}% "
+                f"validation accuracy ({m['final_accuracy']:.4f}: {wrong} of the {VAL_IMAGES} images wrong) in "
+                f"{m['seconds']} s** for the whole command with the digits already written, {m['epochs']} epochs "
+                f"of {min(m['epoch_seconds']):.1f}–{max(m['epoch_seconds']):.1f} s, "
+                f"{m['disk_bytes'] / 1e6:.0f} MB written ([measured figures](figures.md)). The data order, "
+                f"augmentation and initialisation are seeded per sample, so a rerun on that machine gives the "
+                f"same figure. {spread}")
+    return f"\n{line}\n\n{wrap(text)}\n"
+
+
+def wrap(text: str, width: int = 100) -> str:
+    lines, current = [], ""
+    for word in text.split(" "):
+        if current and len(current) + 1 + len(word) > width:
+            lines.append(current)
+            current = word
+        else:
+            current = f"{current} {word}" if current else word
+    return "\n".join(lines + [current])
+
+
+def write_quotes() -> List[str]:
+    """Rewrite the quickstart-figure sections of README.md and docs/index.md from docs/figures.md."""
+    with open(FIGURES_MD, encoding="utf-8") as f:
+        measured = parse_figures_md(f.read())
+    pages = {}
+    for page, path in QUOTED_IN.items():          # every page checked before any is written
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if not QUOTE.search(text):
+            raise SystemExit(f"{path} has no '<!-- quickstart-figure: ... -->' ... '<!-- /quickstart-figure -->' "
+                             f"section for the figure")
+        new = QUOTE.sub(lambda match: match.group(1) + quote(measured, page) + match.group(3), text, count=1)
+        if new != text:
+            pages[path] = new
+    for path, new in pages.items():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return [os.path.relpath(path, ROOT) for path in pages]
+
+
 def main(argv: Any = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-setup", action="store_true", help="do not run ./setup.sh (.venv must exist)")
     parser.add_argument("--skip-example", action="store_true")
     parser.add_argument("--skip-tasks", action="store_true", help="do not run the segmentation and regression examples")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--out", default="", help="folder for figures.md (e.g. docs)")
+    parser.add_argument("--out", default="", help="folder for figures.md (e.g. docs; docs also rewrites the quotes)")
+    parser.add_argument("--quote", action="store_true",
+                        help="measure nothing: rewrite the quotes in README.md and docs/index.md from docs/figures.md")
     args = parser.parse_args(argv)
+    if args.quote:
+        for path in write_quotes():
+            say(f"quoted docs/figures.md in {path}")
+        return {}
 
     results: Dict[str, Any] = {}
     if not args.skip_setup:
@@ -236,6 +334,9 @@ def main(argv: Any = None) -> Dict[str, Any]:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "figures.md"), "w", encoding="utf-8") as f:
             f.write(markdown(results))
+        if os.path.abspath(args.out) == os.path.join(ROOT, "docs") and "example" in results:
+            for path in write_quotes():
+                say(f"quoted docs/figures.md in {path}")
     print(json.dumps(results, indent=2))
     return results
 

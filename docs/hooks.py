@@ -1,12 +1,11 @@
 """mkdocs hooks: the pages generated from the code at every build, so they cannot drift from it.
 
-- The configuration keys table (``configuration.md``, at its ``<!-- config-keys -->`` marker) from
-  :data:`basetrainer.utils.setup_config.ENGINE_KEYS`: every key, its default, what it accepts and
-  what it means.
+- The configuration keys table (``configuration.md``) and the tested lower bounds (``install.md``)
+  are written into the markdown files by ``python docs/generate.py`` (so they read on GitHub too);
+  the build fails, naming that command, while one of them is out of date.
 - The API reference (``reference/api/*.md``): one page per public module of the seed API and of
   the original's evaluate/deploy half that exists in this checkout, rendered by mkdocstrings from
   the docstrings, and listed under the "API reference" section of the navigation.
-- The tested lower bounds (``install.md``, at ``<!-- floor-pins -->``) from .ci/floor-constraints.txt.
 - The changelog page (``changelog.md``) from the repository's CHANGELOG.md.
 - ``<!-- include: NAME -->`` in a page inserts the docs file NAME (written by a benchmark script,
   e.g. fsdp.md) with its headings one level down, so its measurements live on the page that
@@ -16,12 +15,10 @@ mkdocs.yml names this file under ``hooks:``; ``mkdocs build --strict`` fails on 
 including a broken link, an unknown anchor or a reference mkdocstrings cannot resolve.
 """
 import ast
-import html
-import json
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files, InclusionLevel
@@ -31,6 +28,7 @@ from mkdocs.structure.pages import Page
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from griffe_rst import roles_to_markdown  # noqa: E402  (docs/griffe_rst.py, beside this file)
+import generate  # noqa: E402  (docs/generate.py: the sections generated into the markdown files)
 
 # The public modules, grouped as the API reference lists them: DESIGN.md §1 (the seed's API),
 # §1b (the original's evaluate and deploy half) and the other modules whose names users import.
@@ -65,26 +63,6 @@ API_GROUPS: List[Tuple[str, List[str]]] = [
 ]
 API_SECTION = "API reference"
 API_DIR = "reference/api"
-
-CONFIG_PAGE = "configuration.md"
-CONFIG_MARKER = "<!-- config-keys -->"
-# where a key is explained at length (the table links there)
-KEY_PAGES: Dict[str, str] = {
-    "strategy": "large-models.md", "fsdp_wrap": "large-models.md", "reshard_after_forward": "large-models.md",
-    "activation_checkpointing": "large-models.md", "fsdp_meta_init": "large-models.md",
-    "loggers": "trackers.md", "mlflow_uri": "trackers.md", "tracker_deadline": "trackers.md",
-    "resume": "checkpoints.md#resume", "overwrite": "checkpoints.md#a-rerun-into-a-used-folder",
-    "start_save": "checkpoints.md#what-a-run-writes", "gpu_id": "modes.md", "distributed": "modes.md",
-    "sync_bn": "modes.md#ddp-equals-one-process", "seed_per_sample": "modes.md#randomness",
-    "loss_reduction": "modes.md#ddp-equals-one-process", "use_prune": "pruning.md",
-    "amp": "training-options.md", "accumulate_steps": "training-options.md",
-    "clip_grad_norm": "training-options.md", "channels_last": "training-options.md",
-    "compile": "training-options.md", "progress": "callbacks.md#progress-bars",
-    "balance": "evaluate.md#class-imbalance-balance-and-dataresample",
-}
-
-INSTALL_PAGE = "install.md"
-PINS_MARKER = "<!-- floor-pins -->"
 
 INCLUDE = re.compile(r"^<!-- include: (?P<name>[\w./-]+) -->$", re.M)
 
@@ -135,43 +113,6 @@ def api_index(groups: List[Tuple[str, List[str]]]) -> str:
             lines.append(f"| [`{m}`]({m}.md) | {summary(module_source(m))} |")
         lines.append("")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- config keys
-def _value(v: Any) -> str:
-    return json.dumps(v)   # None -> null, True -> true, "x" -> "x", [224, 224] -> [224, 224]
-
-
-def _cell(text: str) -> str:
-    return html.escape(text, quote=False).replace("|", "\\|")
-
-
-def config_table() -> str:
-    """The table of every engine key, from setup_config (imported from this checkout)."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    from basetrainer.utils import setup_config
-
-    accepts = getattr(setup_config, "_CHECKS", {})
-    rows = ["| key | default | accepts | meaning |", "|---|---|---|---|"]
-    for key, (default, kind, meaning) in setup_config.ENGINE_KEYS.items():
-        what = accepts[kind][1] if kind in accepts else kind
-        more = f" ([more]({KEY_PAGES[key]}))" if key in KEY_PAGES else ""
-        rows.append(f"| `{key}` | `{_value(default)}` | {_cell(what)} | {_cell(meaning)}{more} |")
-    return "\n".join(rows)
-
-
-# ---------------------------------------------------------------------------------- floor pins
-def floor_pins() -> str:
-    """The versions CI's floor environment installs, from .ci/floor-constraints.txt, as one line."""
-    pins = []
-    with open(os.path.join(ROOT, ".ci", "floor-constraints.txt"), encoding="utf-8") as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if line:
-                name, version = (part.strip() for part in line.split("=="))
-                pins.append(f"{name} {version}")
-    return ", ".join(pins) + "."
 
 
 # ---------------------------------------------------------------------------------- includes
@@ -266,12 +207,13 @@ def _pages(items: List[Any]) -> List[Page]:
 
 def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> str:
     markdown = include(markdown, config["docs_dir"], page.file.src_uri)
-    if page.file.src_uri == INSTALL_PAGE:
-        if PINS_MARKER not in markdown:
-            raise PluginError(f"{INSTALL_PAGE} lost its {PINS_MARKER} line: the tested versions go there")
-        markdown = markdown.replace(PINS_MARKER, floor_pins())
-    if page.file.src_uri == CONFIG_PAGE:
-        if CONFIG_MARKER not in markdown:
-            raise PluginError(f"{CONFIG_PAGE} lost its {CONFIG_MARKER} line: the key table goes there")
-        markdown = markdown.replace(CONFIG_MARKER, config_table())
+    for (src, name) in generate.SECTIONS:
+        if page.file.src_uri == src:
+            try:
+                current = generate.section(markdown, name) == generate.expected(name, src)
+            except ValueError as e:
+                raise PluginError(f"{src}: {e}; its generated table goes there") from None
+            if not current:
+                raise PluginError(f"{src}: the '{name}' section is out of date with the code: run "
+                                  f"python docs/generate.py")
     return markdown

@@ -31,6 +31,7 @@ from basetrainer.engine.launch import launch
 from basetrainer.metric import accuracy_recorder
 from basetrainer.models import build_models
 from basetrainer.optimizer.build_optimizer import get_optimizer
+from basetrainer.runtime import errors
 from basetrainer.scheduler import build_scheduler
 from basetrainer.utils import file_utils, log, setup_config, torch_tools
 
@@ -131,8 +132,8 @@ def use_trained(cfg):
     """--eval_only / --predict: evaluate or predict with the weights of --resume or --finetune."""
     weights = cfg.resume or None
     if not weights and not cfg.finetune:
-        raise ValueError("--eval_only and --predict use trained weights: give --resume auto (the newest checkpoint "
-                         "of --work_dir), --resume <a .pth file>, or --finetune <a weights file>")
+        raise errors.ConfigError("--eval_only and --predict use trained weights: give --resume auto (the newest "
+                                 "checkpoint of --work_dir), --resume <a .pth file>, or --finetune <a weights file>")
     cfg.resume = "auto"   # no new run starts: the trainer must not refuse a work_dir that holds one
     t = ClassificationTrainer(cfg)
     figures = None
@@ -230,7 +231,8 @@ def parse_config(argv=None):
 
 
 if __name__ == "__main__":
-    cfg = parse_config()
-    print(f"basetrainer {basetrainer.__version__}", flush=True)
-    launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="tcp://127.0.0.1:28661",
-           num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))
+    with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
+        cfg = parse_config()
+        print(f"basetrainer {basetrainer.__version__}", flush=True)
+        launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="tcp://127.0.0.1:28661",
+               num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from basetrainer.runtime.errors import ConfigError, ConfigTypeError, MissingExtraError, PathError
 from basetrainer.utils import typed_flags
 
 logger = logging.getLogger(__name__)
@@ -171,12 +172,12 @@ def parse_loggers(value: Any, key: str = "loggers") -> List[str]:
         value = [v for v in value.replace(",", " ").split() if v]
     ok, expected = _CHECKS["loggers"]
     if not ok(value):
-        raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected}, "
+        raise ConfigTypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected}, "
                         f"e.g. [tensorboard, csv, mlflow]")
     names = list(dict.fromkeys(v.strip().lower() for v in value))
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
-        raise ValueError(f"config key {key!r} = {list(value)!r}: unknown logger {unknown[0]!r}; choose from "
+        raise ConfigError(f"config key {key!r} = {list(value)!r}: unknown logger {unknown[0]!r}; choose from "
                          f"{list(LOGGERS)} (e.g. loggers: [tensorboard, csv, mlflow])")
     return names
 
@@ -220,23 +221,23 @@ def validate(cfg: Any) -> None:
                 pass
         ok, expected = _CHECKS[kind]
         if not ok(value):
-            raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected} "
+            raise ConfigTypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected} "
                             f"({meaning})")
     for key in ("batch_size", "num_epochs", "log_freq", "accumulate_steps"):
         if key in cfg and cfg[key] <= 0:
-            raise ValueError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
+            raise ConfigError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"
-            raise ValueError(f"config key {key!r} = {value!r} must be >= 0 and finite")
+            raise ConfigError(f"config key {key!r} = {value!r} must be >= 0 and finite")
     if "seed" in cfg and not -2 ** 62 <= cfg["seed"] < 2 ** 62:   # the loaders add rank and epoch offsets
-        raise ValueError(f"config key 'seed' = {cfg['seed']!r} is out of range: use an integer of magnitude "
+        raise ConfigError(f"config key 'seed' = {cfg['seed']!r} is out of range: use an integer of magnitude "
                          f"below 2**62 (e.g. 2020)")
     if "balance" in cfg and str(cfg["balance"]).lower() not in BALANCE_CHOICES:
-        raise ValueError(f"config key 'balance' = {cfg['balance']!r} is not one of {list(BALANCE_CHOICES)}: none "
+        raise ConfigError(f"config key 'balance' = {cfg['balance']!r} is not one of {list(BALANCE_CHOICES)}: none "
                          f"(no resampling), mean, log or sqrt (see basetrainer.dataloader.data_resample)")
     if "lr" in cfg and not valid_lr(cfg["lr"]):
-        raise ValueError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
+        raise ConfigError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 
 
 def with_defaults(cfg: Any) -> Any:
@@ -264,7 +265,7 @@ def load_config(config_file: str) -> Config:
     import yaml
 
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"config_file {config_file!r} does not exist")
+        raise PathError(f"config_file {config_file!r} does not exist")
     with open(config_file, encoding="utf-8") as f:
         text = f.read()
     try:
@@ -273,11 +274,11 @@ def load_config(config_file: str) -> Config:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise ValueError(f"config_file {config_file!r} is not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"config_file {config_file!r} is not valid YAML{where}: {problem}") from None
     if data is None:
         return Config()
     if not isinstance(data, dict):
-        raise ValueError(f"config_file {config_file!r} must hold a mapping of keys to values, "
+        raise ConfigError(f"config_file {config_file!r} must hold a mapping of keys to values, "
                          f"got {type(data).__name__}")
     return Config(data)
 
@@ -373,7 +374,7 @@ def trial_overrides() -> Dict[str, Any]:
         try:
             import nni
         except ImportError:
-            raise ImportError('this run is an NNI trial (NNI_PLATFORM or BASETRAINER_NNI is set) but nni is not '
+            raise MissingExtraError('this run is an NNI trial (NNI_PLATFORM or BASETRAINER_NNI is set) but nni is not '
                               'installed: pip install "basetrainer[nni]"') from None
         return {**dict(nni.get_next_parameter() or {}), "tune": "nni"}
     return {}

@@ -157,12 +157,14 @@ def main(cfg):
         return use_trained(cfg)
     t = ClassificationTrainer(cfg)
     history = t.run()
-    if t.is_main_process and history.last is not None:
-        key = "test/Accuracy" if "test/Accuracy" in history.last else "train/Accuracy"
+    # this call's last epoch, or (a resumed run that had finished: nothing trained now) the run's
+    last = history.last or ({**t.logs, "epoch": t.start_epoch - 1} if t.start_epoch else None)
+    if t.is_main_process and last is not None:
+        key = "test/Accuracy" if "test/Accuracy" in last else "train/Accuracy"
         # the whole run's, a resumed one included (history holds only the epochs of this call)
         ckpt = next(c for c in t.callbacks if isinstance(c, model_checkpoint.ModelCheckpoint))
-        best = ckpt.best if ckpt.best is not None else max(v for v in history[key] if v is not None)
-        print(f"final {key}: {history.last[key]:.4f} (best {best:.4f}) after {history.last['epoch'] + 1} epochs; "
+        best = ckpt.best if ckpt.best is not None else max(v for v in history[key] + [last[key]] if v is not None)
+        print(f"final {key}: {last[key]:.4f} (best {best:.4f}) after {last['epoch'] + 1} epochs; "
               f"work_dir: {cfg.work_dir}", flush=True)
     return history
 

@@ -212,9 +212,11 @@ class LogHistory(Callback):
                 trainer, "accumulate_steps", 1) == 1 and getattr(trainer, "global_step", 0):
             self.step_ends[start - 1] = int(trainer.global_step)   # a checkpoint without the count (2.0)
         self._step_base = self.steps_before(start)
-        if self.is_main_process and (start or getattr(self.trainer, "batch_in_epoch", 0)):
-            self.logger.info("resumed at epoch %d, step %d: lines above about later steps came from the interrupted "
-                             "run and are done again below", start, getattr(self.trainer, "batch_in_epoch", 0))
+        done = start >= int(getattr(trainer, "num_epochs", start + 1))   # a finished run: nothing follows
+        if self.is_main_process and (start or getattr(trainer, "batch_in_epoch", 0)) and not done:
+            self.logger.info("resumed at epoch %d, step %d of it (global step %d): lines above about later steps "
+                             "came from the interrupted run and are done again below", start,
+                             getattr(trainer, "batch_in_epoch", 0), getattr(trainer, "global_step", 0))
         if self.is_main_process:
             os.makedirs(self.log_dir, exist_ok=True)
             self._open_writer(start, self._step_base + getattr(self.trainer, "batch_in_epoch", 0) + 1)

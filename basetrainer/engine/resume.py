@@ -296,10 +296,18 @@ def prepare_run(trainer: Any) -> None:
             logger.warning("resume from %s: that run had stopped (stop_training, e.g. EarlyStopping) at the %s: "
                            "nothing more is trained. To train on, start a new run from it: resume: %s with "
                            "another work_dir", start.path, checkpoint.describe(state), start.path)
+        elif trainer.start_epoch >= int(trainer.num_epochs):   # one line: nothing was interrupted, nothing follows
+            planned = (state.get("config") or {}).get("num_epochs")
+            if planned in (None, trainer.start_epoch) and trainer.start_epoch == int(trainer.num_epochs):
+                logger.warning("the run in %s finished all %d epochs (%s): nothing left to train; raise num_epochs "
+                               "to train on", os.path.normpath((trainer.cfg or {}).get("work_dir") or
+                                                               os.path.dirname(start.path)),
+                               trainer.start_epoch, os.path.basename(start.path))
+            else:
+                _say_if_done(trainer, start.path)
         else:
-            logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", start.path,
-                        checkpoint.describe(state), trainer.start_epoch, trainer.global_step)
-            _say_if_done(trainer, start.path)
+            logger.info("resumed from %s (%s): continuing at epoch %d, step %d of it (global step %d)", start.path,
+                        checkpoint.describe(state), trainer.start_epoch, trainer.batch_in_epoch, trainer.global_step)
 
 
 def _say_if_done(trainer: Any, source: str) -> None:

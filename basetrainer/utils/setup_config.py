@@ -122,6 +122,9 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "loggers": (["tensorboard", "csv"], "loggers", "where LogHistory's figures go: any of tensorboard, csv "
                                                     "(history.csv), mlflow, wandb (extras mlflow / wandb)"),
     "mlflow_uri": ("", "optpath", "MLflow tracking URI; '' = sqlite:///<work_dir>/mlflow.db"),
+    "schedule_on_resume": ("stretch", "str", "a resume that changes num_epochs: stretch (the LR schedule is "
+                                             "recomputed for the new num_epochs and goes on from the step reached) "
+                                             "or restart (a new schedule, warm-up included, over the epochs left)"),
 }
 
 # The names ``loggers`` accepts (LogHistory writes the first two; basetrainer.callbacks.trackers
@@ -185,6 +188,9 @@ def parse_loggers(value: Any, key: str = "loggers") -> List[str]:
 # The values ``balance`` accepts (basetrainer.dataloader.data_resample.CONFIG_CHOICES).
 BALANCE_CHOICES = ("none", "mean", "log", "sqrt")
 
+# The values ``schedule_on_resume`` accepts (basetrainer.scheduler.build_scheduler.LRSchedulerCallback).
+SCHEDULE_ON_RESUME = ("stretch", "restart")
+
 # The rule for a learning rate, shared by the config and the builders that take one.
 LR_RULE = ("must be a finite number >= 0; set it to e.g. 0.1 (0 is allowed: the weights stay as they are, "
            "for evaluation-only runs or BatchNorm recalibration)")
@@ -236,6 +242,10 @@ def validate(cfg: Any) -> None:
     if "balance" in cfg and str(cfg["balance"]).lower() not in BALANCE_CHOICES:
         raise ConfigError(f"config key 'balance' = {cfg['balance']!r} is not one of {list(BALANCE_CHOICES)}: none "
                          f"(no resampling), mean, log or sqrt (see basetrainer.dataloader.data_resample)")
+    if "schedule_on_resume" in cfg and cfg["schedule_on_resume"] not in SCHEDULE_ON_RESUME:
+        raise ConfigError(f"config key 'schedule_on_resume' = {cfg['schedule_on_resume']!r} is not one of "
+                          f"{list(SCHEDULE_ON_RESUME)}: stretch (recompute the LR schedule for a changed num_epochs) "
+                          f"or restart (a new schedule over the epochs left)")
     if "lr" in cfg and not valid_lr(cfg["lr"]):
         raise ConfigError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 

@@ -15,6 +15,11 @@ With trained weights (``--resume auto``: this work_dir's newest checkpoint; ``--
 
     python examples/example.py --eval_only --resume auto            # test figures of the run in work_dir
     python examples/example.py --predict my/images --resume auto    # writes <work_dir>/predict/predictions.csv
+
+Every key of the configuration table (docs/configuration.md) is also a flag (``--sync_bn``,
+``--balance sqrt``, ...). A mistake in what it is given (a config value, a data folder, a work_dir
+holding another run, a missing package) is one line, ``error: ...``, and exit status 2;
+BASETRAINER_TRACEBACK=1 shows the traceback instead.
 """
 import argparse
 import os
@@ -185,7 +190,7 @@ def get_parser():
     parser.add_argument("--scheduler", default="multi-step")
     parser.add_argument("--milestones", nargs="+", type=int, default=[30, 60, 90])
     parser.add_argument("--num_epochs", type=int, default=100)
-    parser.add_argument("--num_warn_up", type=int, default=0)
+    parser.add_argument("--num_warn_up", type=float, default=0, help="epochs of linear warm-up (a fraction too)")
     parser.add_argument("--num_workers", type=int, default=0)
     parser.add_argument("--gpu_id", nargs="*", type=int, default=[0], help="GPU ids ([] = CPU)")
     parser.add_argument("--seed", type=int, default=2020)
@@ -218,7 +223,10 @@ def get_parser():
     parser.add_argument("--predict_output", default="",
                         help="--predict's file (.csv or .npz; default <work_dir>/predict/predictions.csv)")
     parser.add_argument("--mlflow_uri", default="", help="MLflow tracking URI (default sqlite:///<work_dir>/mlflow.db)")
-    return parser
+    parser.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=False,
+                        help="with --distributed: BatchNorm with the statistics of the global batch (DDP then "
+                             "equals one process epoch by epoch)")
+    return setup_config.add_engine_flags(parser)   # every other key of the config table: --momentum, --balance, ...
 
 
 def parse_config(argv=None):

@@ -306,6 +306,45 @@ def save_config(cfg: Any, config_file: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- argparse
+def _optint(text: str) -> Optional[int]:
+    return None if text.strip().lower() in ("none", "null") else int(text)
+
+
+def _boolpath(text: str) -> Any:
+    return {"true": True, "false": False}.get(text.strip().lower(), text)
+
+
+# how a flag reads each kind of ENGINE_KEYS value from the command line
+_FLAG_FORMS: Dict[str, Dict[str, Any]] = {
+    "str": {"type": str}, "int": {"type": int}, "optint": {"type": _optint, "metavar": "INT|none"},
+    "number": {"type": float}, "bool": {"action": argparse.BooleanOptionalAction},
+    "autobool": {"choices": ["auto", "true", "false"]}, "ints": {"nargs": "*", "type": int},
+    "size": {"nargs": 2, "type": int, "metavar": ("W", "H")}, "path": {"nargs": "+"}, "optpath": {"type": str},
+    "boolpath": {"type": _boolpath, "metavar": "true|false|PATH"}, "strs": {"nargs": "*"},
+    "loggers": {"nargs": "+", "metavar": "NAME"},
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser`` a ``--<key>`` flag for every engine key it has no flag for yet.
+
+    Each flag's default is the key's default, and its help the key's meaning (the table of
+    docs/configuration.md), so every documented key can be typed on the command line
+    (``--sync_bn``, ``--balance sqrt``, ``--no-seed_per_sample``); true/false keys take
+    ``--key`` / ``--no-key``. A script's own flags (declared before) are kept as they are.
+
+    Returns:
+        ``parser``.
+    """
+    for key, (default, kind, meaning) in ENGINE_KEYS.items():
+        text = meaning.replace("%", "%%") + ("" if kind == "bool" else f" (default: {default!r})")  # bool: argparse's
+        try:
+            parser.add_argument(f"--{key}", default=copy.deepcopy(default), help=text, **_FLAG_FORMS[kind])
+        except argparse.ArgumentError:   # the script declares --key itself
+            continue
+    return parser
+
+
 def _warn_unknown(yaml_keys: Iterable[str], known: Iterable[str], config_file: str) -> None:
     known = sorted(set(known))
     for key in yaml_keys:

@@ -206,7 +206,7 @@ def _raise_usage_error(outbox: str, world_size: int) -> None:
     for rank in range(world_size):
         found, error = _received(outbox, f"usage_error.{rank}.pkl")
         if found:
-            raise error
+            raise error from None   # the rank's traceback is its note; the spawn's failure says nothing more
 
 
 def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, nprocs: int,

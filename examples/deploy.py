@@ -19,11 +19,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import example  # noqa: E402  (examples/example.py: the trainer and its flags)
 
+from basetrainer.runtime import errors  # noqa: E402
+
 
 def best_weights(model_dir: str) -> str:
     found = sorted(glob.glob(os.path.join(model_dir, "best_model_*.pth")), key=os.path.getmtime)
     if not found:
-        raise SystemExit(f"no best_model_*.pth in {model_dir}: train first (drop --export_only)")
+        raise errors.PathError(f"no best_model_*.pth in {model_dir}: train first (drop --export_only)")
     return found[-1]
 
 
@@ -98,4 +100,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
+        sys.exit(main())

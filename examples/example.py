@@ -15,6 +15,11 @@ With trained weights (``--resume auto``: this work_dir's newest checkpoint; ``--
 
     python examples/example.py --eval_only --resume auto            # test figures of the run in work_dir
     python examples/example.py --predict my/images --resume auto    # writes <work_dir>/predict/predictions.csv
+
+Every key of the configuration table (docs/configuration.md) is also a flag (``--sync_bn``,
+``--balance sqrt``, ...). A mistake in what it is given (a config value, a data folder, a work_dir
+holding another run, a missing package) is one line, ``error: ...``, and exit status 2;
+BASETRAINER_TRACEBACK=1 shows the traceback instead.
 """
 import argparse
 import os
@@ -31,6 +36,7 @@ from basetrainer.engine.launch import launch
 from basetrainer.metric import accuracy_recorder
 from basetrainer.models import build_models
 from basetrainer.optimizer.build_optimizer import get_optimizer
+from basetrainer.runtime import errors
 from basetrainer.scheduler import build_scheduler
 from basetrainer.utils import file_utils, log, setup_config, torch_tools
 
@@ -131,8 +137,8 @@ def use_trained(cfg):
     """--eval_only / --predict: evaluate or predict with the weights of --resume or --finetune."""
     weights = cfg.resume or None
     if not weights and not cfg.finetune:
-        raise ValueError("--eval_only and --predict use trained weights: give --resume auto (the newest checkpoint "
-                         "of --work_dir), --resume <a .pth file>, or --finetune <a weights file>")
+        raise errors.ConfigError("--eval_only and --predict use trained weights: give --resume auto (the newest "
+                                 "checkpoint of --work_dir), --resume <a .pth file>, or --finetune <a weights file>")
     cfg.resume = "auto"   # no new run starts: the trainer must not refuse a work_dir that holds one
     t = ClassificationTrainer(cfg)
     figures = None
@@ -156,12 +162,14 @@ def main(cfg):
         return use_trained(cfg)
     t = ClassificationTrainer(cfg)
     history = t.run()
-    if t.is_main_process and history.last is not None:
-        key = "test/Accuracy" if "test/Accuracy" in history.last else "train/Accuracy"
+    # this call's last epoch, or (a resumed run that had finished: nothing trained now) the run's
+    last = history.last or ({**t.logs, "epoch": t.start_epoch - 1} if t.start_epoch else None)
+    if t.is_main_process and last is not None:
+        key = "test/Accuracy" if "test/Accuracy" in last else "train/Accuracy"
         # the whole run's, a resumed one included (history holds only the epochs of this call)
         ckpt = next(c for c in t.callbacks if isinstance(c, model_checkpoint.ModelCheckpoint))
-        best = ckpt.best if ckpt.best is not None else max(v for v in history[key] if v is not None)
-        print(f"final {key}: {history.last[key]:.4f} (best {best:.4f}) after {history.last['epoch'] + 1} epochs; "
+        best = ckpt.best if ckpt.best is not None else max(v for v in history[key] + [last[key]] if v is not None)
+        print(f"final {key}: {last[key]:.4f} (best {best:.4f}) after {last['epoch'] + 1} epochs; "
               f"work_dir: {cfg.work_dir}", flush=True)
     return history
 
@@ -182,7 +190,7 @@ def get_parser():
     parser.add_argument("--scheduler", default="multi-step")
     parser.add_argument("--milestones", nargs="+", type=int, default=[30, 60, 90])
     parser.add_argument("--num_epochs", type=int, default=100)
-    parser.add_argument("--num_warn_up", type=int, default=0)
+    parser.add_argument("--num_warn_up", type=float, default=0, help="epochs of linear warm-up (a fraction too)")
     parser.add_argument("--num_workers", type=int, default=0)
     parser.add_argument("--gpu_id", nargs="*", type=int, default=[0], help="GPU ids ([] = CPU)")
     parser.add_argument("--seed", type=int, default=2020)
@@ -215,7 +223,10 @@ def get_parser():
     parser.add_argument("--predict_output", default="",
                         help="--predict's file (.csv or .npz; default <work_dir>/predict/predictions.csv)")
     parser.add_argument("--mlflow_uri", default="", help="MLflow tracking URI (default sqlite:///<work_dir>/mlflow.db)")
-    return parser
+    parser.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=False,
+                        help="with --distributed: BatchNorm with the statistics of the global batch (DDP then "
+                             "equals one process epoch by epoch)")
+    return setup_config.add_engine_flags(parser)   # every other key of the config table: --momentum, --balance, ...
 
 
 def parse_config(argv=None):
@@ -230,7 +241,8 @@ def parse_config(argv=None):
 
 
 if __name__ == "__main__":
-    cfg = parse_config()
-    print(f"basetrainer {basetrainer.__version__}", flush=True)
-    launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="tcp://127.0.0.1:28661",
-           num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))
+    with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
+        cfg = parse_config()
+        print(f"basetrainer {basetrainer.__version__}", flush=True)
+        launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="tcp://127.0.0.1:28661",
+               num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))

@@ -21,6 +21,7 @@ from prepare_data import DEFAULT_ROOT, prepare_digits  # noqa: E402
 
 from basetrainer.callbacks.eval_report import EvalReport  # noqa: E402
 from basetrainer.dataloader.image_folder import image_folder  # noqa: E402
+from basetrainer.runtime import errors  # noqa: E402
 from basetrainer.utils import setup_config  # noqa: E402
 
 
@@ -98,4 +99,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
+        main()

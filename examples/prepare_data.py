@@ -23,8 +23,10 @@ def prepare_digits(root: str = DEFAULT_ROOT, val_fraction: float = 0.2, seed: in
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError as e:
-        raise SystemExit(f"preparing the digits data needs scikit-learn and pillow ({e}); "
-                         f"run ./setup.sh, or pip install 'basetrainer[dev]'") from None
+        from basetrainer.runtime.errors import MissingExtraError
+
+        raise MissingExtraError(f"preparing the digits data needs scikit-learn and pillow ({e}); "
+                                f"run ./setup.sh, or pip install 'basetrainer[dev]'") from None
     images, labels = load_digits(return_X_y=True)
     images = (images.reshape(-1, 8, 8) * (255.0 / 16.0)).round().astype(np.uint8)
     index = np.arange(len(labels))

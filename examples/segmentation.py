@@ -33,6 +33,7 @@ from basetrainer.callbacks import log_history, model_checkpoint, multi_losses_re
 from basetrainer.engine import trainer
 from basetrainer.engine.launch import launch
 from basetrainer.optimizer.build_optimizer import get_optimizer
+from basetrainer.runtime import errors
 from basetrainer.scheduler import build_scheduler
 from basetrainer.utils import file_utils, log, setup_config
 
@@ -298,7 +299,8 @@ def parse_config(argv: Any = None) -> Any:
 
 
 if __name__ == "__main__":
-    cfg = parse_config()
-    print(f"basetrainer {basetrainer.__version__}", flush=True)
-    launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="auto", num_machines=1, machine_rank=0,
-           distributed=cfg.distributed, args=(cfg,))
+    with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
+        cfg = parse_config()
+        print(f"basetrainer {basetrainer.__version__}", flush=True)
+        launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="auto", num_machines=1, machine_rank=0,
+               distributed=cfg.distributed, args=(cfg,))

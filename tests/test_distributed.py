@@ -189,6 +189,55 @@ def test_launch_spawns_two_cpu_processes_and_only_rank0_writes(tmp_path, launch_
     assert len(rows) == 1 + 3
 
 
+RESULT_SCRIPT = textwrap.dedent("""
+    import pickle, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import ToyTrainer, toy_cfg
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.engine.launch import launch
+
+    def main(cfg):
+        return ToyTrainer(cfg, callbacks=[LossesRecorder()]).run()    # the History, in every process
+
+    def unpicklable(cfg):
+        return lambda: None
+
+    if __name__ == "__main__":
+        got = {{}}
+        for procs in (1, 2):
+            cfg = toy_cfg(num_epochs=2, batch_size=32, n_train=128, distributed=procs > 1, gpu_id=list(range(procs)))
+            got[procs] = launch(main, num_gpus_per_machine=procs, dist_url="auto", distributed=procs > 1,
+                                args=(cfg,), timeout=60)
+        got["lambda"] = launch(unpicklable, num_gpus_per_machine=2, dist_url="auto", distributed=True,
+                               args=(toy_cfg(distributed=True, gpu_id=[0, 1]),), timeout=60)
+        with open(sys.argv[1], "wb") as f:
+            pickle.dump(got, f)
+""")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_launch_returns_the_result_in_the_same_shape_for_one_and_two_processes(tmp_path):
+    import pickle
+
+    from basetrainer.engine.history import History
+
+    script = tmp_path / "result_toy.py"
+    script.write_text(RESULT_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    out = tmp_path / "results.pkl"
+    proc = subprocess.run([PY, str(script), str(out)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out, "rb") as f:
+        got = pickle.load(f)
+    one, two = got[1], got[2]
+    assert isinstance(one, History) and isinstance(two, History)   # before: a History, then None under DDP
+    assert [r["epoch"] for r in one.epochs] == [r["epoch"] for r in two.epochs] == [0, 1]
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-4)   # DDP equals one process
+    assert got["lambda"] is None
+    assert "launch: main_func returned a function, which can't be sent back to the launching process" in proc.stdout \
+        + proc.stderr
+
+
 EXIT_SCRIPT = textwrap.dedent("""
     import atexit, os, sys
     sys.path.insert(0, {tests!r})

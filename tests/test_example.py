@@ -172,3 +172,60 @@ def test_prepare_digits_from_three_processes_at_once(tmp_path):
     assert len(glob.glob(os.path.join(root, "*", "*", "*.png"))) == 1797
     assert open(os.path.join(root, ".done")).read() == "1437 train, 360 val\n"
     assert glob.glob(root + ".tmp*") == []
+
+
+# ------------------------------------------------------------------------------ every documented key is a flag
+# a value of each key other than its default (and valid: parse_config checks them)
+FLAG_VALUES = {"work_dir": "elsewhere", "net_type": "mobilenet_v2", "optim_type": "Adam", "loss_type": "FocalLoss",
+               "scheduler": "step", "amp": "bf16", "loss_reduction": "sum", "balance": "sqrt", "strategy": "fsdp",
+               "schedule_on_resume": "restart", "test_data": ["v1", "v2"], "gpu_id": [0, 1],
+               "milestones": [2, 4], "input_size": [48, 40], "pretrained": True,
+               "fsdp_meta_init": "true", "fsdp_wrap": ["Block"], "loggers": ["csv"], "mlflow_uri": "sqlite:///m.db"}
+SAMPLES = {"str": "x", "int": 3, "optint": 5, "number": 0.25, "optpath": "weights.pth", "path": ["d"],
+           "ints": [1], "strs": ["A"], "loggers": ["csv"], "autobool": "false", "boolpath": "w.pth", "size": [8, 8]}
+
+
+def _flag(key, kind, default):
+    """``(argv, expected value)`` for the flag of ``key``."""
+    if kind == "bool":
+        return ([f"--no-{key}"] if default else [f"--{key}"]), not default
+    value = FLAG_VALUES.get(key, SAMPLES[kind])
+    text = ["none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+            for v in (value if isinstance(value, list) else [value])]
+    return [f"--{key}"] + text, value
+
+
+def test_every_key_of_the_config_table_is_a_flag_of_the_example():
+    from basetrainer.utils import setup_config
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import example
+
+    assert "--sync_bn" in example.get_parser().format_help()   # and --help shows them (issue 35: sync_bn was YAML-only)
+    for key, (default, kind, _) in setup_config.ENGINE_KEYS.items():
+        if key == "train_data":
+            continue   # given to every parse below (else the digits are made)
+        argv, expected = _flag(key, kind, default)
+        cfg = example.parse_config(["--train_data", "t"] + argv)
+        assert cfg[key] == expected, (key, argv, cfg[key])
+        assert cfg[key] != setup_config.engine_defaults()[key] or key == "work_dir", key   # the flag did it
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_of_a_finished_run_says_so_and_prints_its_figure(runs):
+    root, results = runs
+    code, out = results["train"]
+    assert code == 0, out
+    figure = re.search(r"final test/Accuracy: \d\.\d{4} \(best \d\.\d{4}\) after 2 epochs", out).group(0)
+    again = _start(["--train_data", str(root / "train"), "--test_data", str(root / "val"), "--net_type",
+                    "shufflenet_v2_x0_5", "--num_epochs", "2", "--lr", "0.01", "--log_freq", "1", "--work_dir",
+                    str(root / "work"), "--resume", "auto", *COMMON], cwd=str(root))
+    out, _ = again.communicate(timeout=240)
+    assert again.returncode == 0, out
+    lines = out.splitlines()
+    said = [x for x in lines if "nothing left to train" in x]
+    assert len(said) == 1 and said[0].endswith(f"the run in {root / 'work'} finished all 2 epochs (last.pth): "
+                                               f"nothing left to train; raise num_epochs to train on"), out
+    assert not [x for x in lines if "resumed at epoch" in x or "continuing at epoch" in x], out
+    assert lines[-1].startswith(figure), out    # the run's figure again (before: nothing)

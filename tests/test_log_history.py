@@ -137,3 +137,37 @@ def test_step_scalars_of_earlier_epochs_survive_a_resume_with_another_batch_size
     resumed = run(16, 3, "auto")   # epoch 2 with 5 steps: x 21..25
     assert resumed[:20] == first
     assert [x for x, _ in resumed] == list(range(1, 26))
+
+
+QUIET_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import ToyTrainer, toy_cfg
+from basetrainer.callbacks.log_history import LogHistory
+from basetrainer.callbacks.losses_recorder import LossesRecorder
+
+# a script that sets up no logging and passes LogHistory no logger
+cfg = toy_cfg(n_train=64, num_epochs=2, log_freq=2)
+ToyTrainer(cfg, callbacks=[LossesRecorder(), LogHistory(log_dir=sys.argv[1], log_freq=2)]).run()
+"""
+
+
+@pytest.mark.distributed
+def test_progress_is_printed_without_any_logging_setup(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = tmp_path / "quiet.py"
+    script.write_text(QUIET_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "log")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    done = re.findall(r"INFO log_history\.py:\d+\] epoch (\d)/2 done: .*train/loss: ([\d.]+)", proc.stdout)
+    assert [epoch for epoch, _ in done] == ["0", "1"], proc.stdout   # before: nothing on stdout
+    with open(tmp_path / "log" / "history.csv", newline="") as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f)]
+    assert [float(loss) for _, loss in done] == pytest.approx(losses, rel=1e-5)
+    steps = re.findall(r"epoch \d/2 step (\d)/4 ", proc.stdout)
+    assert steps == ["2", "4", "2", "4"], proc.stdout   # and a line every log_freq steps

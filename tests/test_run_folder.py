@@ -514,6 +514,25 @@ def test_resume_says_when_nothing_is_left_to_train_and_ignores_a_trailing_slash(
     assert "work_dir" not in caplog.text
 
 
+def test_resume_of_a_finished_run_says_so_in_one_line(tmp_path, caplog):
+    from basetrainer.callbacks.log_history import LogHistory
+
+    work = tmp_path / "work"
+
+    def callbacks():
+        return [LossesRecorder(), LogHistory(log_dir=str(work / "log"), log_freq=2), checkpointed(work)]
+
+    first = run(work, epochs=2, callbacks=callbacks())
+    with caplog.at_level(logging.INFO, logger="basetrainer"):
+        t = run(work, epochs=2, resume="auto", callbacks=callbacks())
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("basetrainer")]
+    # before: "resumed from ... continuing at epoch 2 (step 8)", "nothing left to train: ...", and
+    # "resumed at epoch 2, step 0: lines above about later steps came from the interrupted run ..."
+    assert said == [f"the run in {work} finished all 2 epochs (last.pth): nothing left to train; raise num_epochs "
+                    f"to train on"], said
+    assert len(t.history) == 0 and t.logs["train/loss"] == first.history.last["train/loss"]   # the run's figures
+
+
 def test_a_read_only_run_folder_is_an_error_before_training(tmp_path, monkeypatch):
     from basetrainer.engine import resume
 

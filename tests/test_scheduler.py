@@ -261,7 +261,7 @@ def test_logs_lr_is_written_each_epoch():
 def test_state_dict_round_trip():
     t, lrs = run_lrs(scheduler="cosine", num_warn_up=1)
     state = t.sched.state_dict()
-    assert state == {"last_step": 3 * STEPS - 1, "base_lrs": [LR]}
+    assert state == {"last_step": 3 * STEPS - 1, "base_lrs": [LR], "origin": 0, "num_epochs": 3}
     fresh = make_sched("cosine", num_epochs=3, num_warn_up=1, lr=LR)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -269,7 +269,7 @@ def test_state_dict_round_trip():
     # a schedule built for another lr keeps it: a changed lr takes effect on resume
     other = make_sched("cosine", num_epochs=3, num_warn_up=1, lr=0.3)
     other.load_state_dict(state)
-    assert other.state_dict() == {"last_step": 3 * STEPS - 1, "base_lrs": [0.3]}
+    assert other.state_dict() == {"last_step": 3 * STEPS - 1, "base_lrs": [0.3], "origin": 0, "num_epochs": 3}
     assert [other.lr_at(s)[0] for s in range(3 * STEPS)] == approx_list([lr * 3 for lr in lrs])
 
 
@@ -287,6 +287,62 @@ def test_resumed_run_sees_the_same_lrs():
     resumed.run()
     assert first.recorder.lrs == approx_list(full[:STEPS])
     assert resumed.recorder.lrs == approx_list(full[STEPS:])
+
+
+# ------------------------------------------------------------------------------ num_epochs changed on resume
+class CheckpointedSchedTrainer(SchedTrainer):
+    """SchedTrainer with a loss and a ModelCheckpoint in work_dir (so resume: auto continues it)."""
+
+    def build_callbacks(self, cfg, **kwargs):
+        from basetrainer.callbacks.losses_recorder import LossesRecorder
+        from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+        return super().build_callbacks(cfg, **kwargs) + [
+            LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(cfg.work_dir, "model"), indicator="loss",
+                                              async_save=False)]
+
+
+def _cosine(step, steps, lr=LR):
+    return lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+@pytest.mark.parametrize("policy", ["stretch", "restart"])
+def test_raising_num_epochs_on_resume_stretches_or_restarts_the_schedule(tmp_path, caplog, policy):
+    # a cosine run of 2 epochs (8 steps) that finished, resumed with num_epochs 4 (steps 8..15)
+    kw = dict(n_train=64, batch_size=16, lr=LR, scheduler="cosine", num_warn_up=0, milestones=[100],
+              work_dir=str(tmp_path / "work"))
+    first = CheckpointedSchedTrainer(toy_cfg(num_epochs=2, **kw))
+    first.run()
+    assert first.recorder.lrs == approx_list([_cosine(s, 8) for s in range(8)])   # ends at 0.0038
+    with caplog.at_level(logging.INFO, logger="basetrainer"):
+        resumed = CheckpointedSchedTrainer(toy_cfg(num_epochs=4, resume="auto", schedule_on_resume=policy, **kw))
+        resumed.run()
+    lrs = resumed.recorder.lrs
+    if policy == "stretch":   # the 16-step cosine from step 8 on: half the LR, then down to 0
+        assert lrs == approx_list([_cosine(s, 16) for s in range(8, 16)])
+        assert lrs[0] == pytest.approx(0.05) and lrs[4] == pytest.approx(0.0146447, rel=1e-5)
+    else:                     # a new 8-step cosine from step 8: the whole LR again
+        assert lrs == approx_list([_cosine(s - 8, 8) for s in range(8, 16)])
+        assert lrs[0] == pytest.approx(LR) and lrs[4] == pytest.approx(0.05)
+    said = [r.getMessage() for r in caplog.records if "on resume: the cosine LR schedule" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"num_epochs 2 -> 4 on resume: the cosine LR schedule ")
+    assert f"(schedule_on_resume: {policy}" in said[0]
+    assert f"the LR goes from 0.00381 (step 7) to {lrs[0]:.3g} (step 8)" in said[0]
+    # the restart is kept by a later resume (same num_epochs: nothing changes, nothing said)
+    state = torch.load(os.path.join(kw["work_dir"], "model", "last.pth"), weights_only=True)
+    sched = next(v for k, v in state["callbacks"].items() if k.startswith("LRSchedulerCallback"))
+    assert sched["origin"] == (8 if policy == "restart" else 0) and sched["num_epochs"] == 4
+
+
+def test_schedule_on_resume_takes_stretch_or_restart_only():
+    from basetrainer.runtime.errors import ConfigError
+    from basetrainer.utils import setup_config
+
+    with pytest.raises(ConfigError, match=r"'schedule_on_resume' = 'again' is not one of \['stretch', 'restart'\]"):
+        setup_config.validate(setup_config.Config(schedule_on_resume="again"))
+    with pytest.raises(ConfigError, match=r"on_resume='again' must be one of \['stretch', 'restart'\]"):
+        make_sched("cosine", on_resume="again")
 
 
 # ------------------------------------------------------------------------------ accumulation

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from basetrainer.callbacks import trackers as tracking
 from basetrainer.callbacks.callbacks import Callback, batch_size_of
 from basetrainer.runtime import atomic, comm
+from basetrainer.utils import log
 
 _logger = logging.getLogger(__name__)
 
@@ -41,7 +42,11 @@ class LogHistory(Callback):
     Args:
         log_dir: folder for TensorBoard events, history.csv and history.png.
         log_freq: steps between lines (also how often recorders publish running figures).
-        logger: where lines go (default: this module's logger).
+        logger: where lines go (default: this module's logger). When the program configured no
+            logging at all (no handler on the way to the root logger), the run sets up
+            basetrainer's console log (:func:`basetrainer.utils.log.set_logger`, INFO, stdout),
+            so progress is printed without any setup: a line every ``log_freq`` steps and one
+            per epoch.
         indicators: figure names to show in step lines (default: all).
         is_main_process: write anything at all (default: rank 0 only).
         tensorboard: write TensorBoard events.
@@ -202,6 +207,8 @@ class LogHistory(Callback):
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.trainer is not None:
             self.trainer.log_freq = self.log_freq
+        if self.is_main_process and self.logger.name.split(".")[0] == log.ROOT and not self.logger.hasHandlers():
+            log.set_logger("info")   # the program set up no logging: its lines would go nowhere; print them
         self._t_train = time.perf_counter()
         self._steps_done = 0
         start = getattr(self.trainer, "start_epoch", 0)
@@ -212,9 +219,11 @@ class LogHistory(Callback):
                 trainer, "accumulate_steps", 1) == 1 and getattr(trainer, "global_step", 0):
             self.step_ends[start - 1] = int(trainer.global_step)   # a checkpoint without the count (2.0)
         self._step_base = self.steps_before(start)
-        if self.is_main_process and (start or getattr(self.trainer, "batch_in_epoch", 0)):
-            self.logger.info("resumed at epoch %d, step %d: lines above about later steps came from the interrupted "
-                             "run and are done again below", start, getattr(self.trainer, "batch_in_epoch", 0))
+        done = start >= int(getattr(trainer, "num_epochs", start + 1))   # a finished run: nothing follows
+        if self.is_main_process and (start or getattr(trainer, "batch_in_epoch", 0)) and not done:
+            self.logger.info("resumed at epoch %d, step %d of it (global step %d): lines above about later steps "
+                             "came from the interrupted run and are done again below", start,
+                             getattr(trainer, "batch_in_epoch", 0), getattr(trainer, "global_step", 0))
         if self.is_main_process:
             os.makedirs(self.log_dir, exist_ok=True)
             self._open_writer(start, self._step_base + getattr(self.trainer, "batch_in_epoch", 0) + 1)

@@ -56,6 +56,7 @@ from basetrainer.runtime import atomic
 from basetrainer.runtime.checkpoint import plain
 from basetrainer.runtime.deadline import CallFailed, DeadlineExceeded, Worker, check_seconds
 from basetrainer.utils.setup_config import ENGINE_KEYS
+from basetrainer.runtime.errors import MissingExtraError
 
 _logger = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ def require(module: str, extra: str, what: str) -> None:
         except (ImportError, ValueError):
             missing = True
     if missing:
-        raise ImportError(f"{what} needs the {module} package, which is not installed: "
-                          f'pip install "basetrainer[{extra}]"')
+        raise MissingExtraError(f"{what} needs the {module} package, which is not installed: "
+                                f'pip install "basetrainer[{extra}]"')
 
 
 def import_tracker_package(module: str, extra: str, what: str) -> Any:
@@ -81,7 +82,7 @@ def import_tracker_package(module: str, extra: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{what} needs the {module} package ({e}): pip install \"basetrainer[{extra}]\"") from e
+        raise MissingExtraError(f"{what} needs the {module} package ({e}): pip install \"basetrainer[{extra}]\"") from e
 
 
 class Tracker(Callback):

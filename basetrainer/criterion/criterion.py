@@ -5,6 +5,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from basetrainer.runtime.errors import ConfigError
+
 
 class FocalLoss(nn.Module):
     """Focal loss (Lin et al., 2017): ``-alpha_t * (1 - p_t) ** gamma * log(p_t)``, mean over the batch.
@@ -71,6 +73,6 @@ def get_criterion(loss_type: str = "CrossEntropyLoss", num_classes: Optional[int
     key = loss_type.strip().lower() if isinstance(loss_type, str) else ""
     name = lookup.get(key) or _ALIASES.get(key.replace("_", "").replace("-", ""))
     if name is None:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {criterion_names()}")
+        raise ConfigError(f"unknown loss_type {loss_type!r}; choose from {criterion_names()}")
     criterion = _CRITERIA[name](num_classes, **kwargs)
     return criterion.to(device) if device is not None else criterion

@@ -5,6 +5,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch.utils.data import Dataset
 
+from basetrainer.runtime.errors import ConfigError, PathError
+
 from basetrainer.dataloader.image_folder import _IMAGE_EXT, load_image
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class ImageFiles(Dataset):
     def __init__(self, root: str, transform: Optional[Callable] = None, recursive: bool = True,
                  key: str = "predict") -> None:
         if not root or not os.path.exists(root):
-            raise FileNotFoundError(f"{key}={root!r} does not exist: give a folder of images or an image file")
+            raise PathError(f"{key}={root!r} does not exist: give a folder of images or an image file")
         self.root, self.transform = root, transform
         if os.path.isfile(root):
             self.paths = [root]
@@ -40,7 +42,7 @@ class ImageFiles(Dataset):
         else:
             self.paths = _scan(root, recursive, key)
         if not self.paths:
-            raise ValueError(f"{key}={root!r} holds no image ({', '.join(_IMAGE_EXT)})")
+            raise ConfigError(f"{key}={root!r} holds no image ({', '.join(_IMAGE_EXT)})")
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -56,7 +58,7 @@ class ImageFiles(Dataset):
 
 def _check_image(path: str, key: str) -> None:
     if not path.lower().endswith(_IMAGE_EXT):
-        raise ValueError(f"{key}: {path!r} is not an image file (read: {', '.join(_IMAGE_EXT)}); move it out of the "
+        raise ConfigError(f"{key}: {path!r} is not an image file (read: {', '.join(_IMAGE_EXT)}); move it out of the "
                          f"folder, or convert it")
 
 

@@ -5,6 +5,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 from torch.utils.data import ConcatDataset, Dataset
 
+from basetrainer.runtime.errors import ConfigError, PathError
+
 logger = logging.getLogger(__name__)
 
 _IMAGE_EXT = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -12,20 +14,20 @@ _IMAGE_EXT = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", 
 
 def _check_folder(root: str, key: str) -> List[str]:
     if not root:
-        raise ValueError(f"{key} is empty: set it to a folder of class subfolders (root/<class>/<image>)")
+        raise ConfigError(f"{key} is empty: set it to a folder of class subfolders (root/<class>/<image>)")
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"{key}={root!r} does not exist or is not a folder: it must hold one "
+        raise PathError(f"{key}={root!r} does not exist or is not a folder: it must hold one "
                                 f"subfolder of images per class")
     classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
     if not classes:
-        raise ValueError(f"{key}={root!r} has no class subfolders: put the images in root/<class>/<image>")
+        raise ConfigError(f"{key}={root!r} has no class subfolders: put the images in root/<class>/<image>")
     empty = [c for c in classes
              if not any(f.lower().endswith(_IMAGE_EXT) for _, _, files in os.walk(os.path.join(root, c))
                         for f in files)]
     if empty:
-        raise ValueError(f"{key}={root!r}: class folder(s) {empty} hold no images ({', '.join(_IMAGE_EXT)})")
+        raise ConfigError(f"{key}={root!r}: class folder(s) {empty} hold no images ({', '.join(_IMAGE_EXT)})")
     if len(classes) < 2:
-        raise ValueError(f"{key}={root!r} has only one class ({classes[0]!r}): a classifier needs at least "
+        raise ConfigError(f"{key}={root!r} has only one class ({classes[0]!r}): a classifier needs at least "
                          f"two class subfolders")
     return classes
 
@@ -75,14 +77,14 @@ def image_folder(root: Union[str, Sequence[str]], transform: Optional[Callable] 
         raise ValueError(f"bad_images={bad_images!r} must be 'raise' (an error naming the file) or 'skip'")
     roots = [root] if isinstance(root, str) or root is None else list(root)
     if not roots:
-        raise ValueError(f"{key} is empty: set it to a folder of class subfolders")
+        raise ConfigError(f"{key} is empty: set it to a folder of class subfolders")
     sets: List[Any] = []
     for r in roots:
         found = _check_folder(r, key)
         if classes is not None and found != list(classes):
-            raise ValueError(f"{key}={r!r} has classes {found}, but training uses {list(classes)}")
+            raise ConfigError(f"{key}={r!r} has classes {found}, but training uses {list(classes)}")
         if sets and found != sets[0].classes:
-            raise ValueError(f"{key}: folders {roots[0]!r} and {r!r} have different classes")
+            raise ConfigError(f"{key}: folders {roots[0]!r} and {r!r} have different classes")
         sets.append(ImageFolder(r, transform=transform, loader=load_image))
         if bad_images == "skip":
             _skip_bad(sets[-1])

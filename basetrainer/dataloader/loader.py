@@ -19,6 +19,7 @@ from basetrainer.dataloader import data_resample
 from basetrainer.dataloader.sampler import GlobalBatchSampler
 from basetrainer.dataloader.seeding import SeededDataset
 from basetrainer.runtime import comm
+from basetrainer.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,9 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     if phase not in ("train", "test"):
         raise ValueError(f"phase={phase!r} must be 'train' or 'test'")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer (the global batch)")
+        raise ConfigError(f"batch_size={batch_size!r} must be a positive integer (the global batch)")
     if not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0")
+        raise ConfigError(f"num_workers={num_workers!r} must be an integer >= 0")
     try:
         size = len(dataset)
     except TypeError:
@@ -79,7 +80,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
         logger.warning("build_dataloader(distributed=False) in a %d-process run: every process "
                        "iterates the whole training set", comm.get_world_size())
     if batch_size < world:
-        raise ValueError(f"batch_size={batch_size} is smaller than the number of processes ({world}); "
+        raise ConfigError(f"batch_size={batch_size} is smaller than the number of processes ({world}); "
                          f"batch_size is the global batch: use at least {world}")
     generator = torch.Generator()
     generator.manual_seed(seed + 1000003 * rank)
@@ -92,7 +93,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     if phase == "test":   # drop_last: the incomplete *global* batch, as one process would
         kept = size // batch_size * batch_size if drop_last else size
         if kept == 0:
-            raise ValueError(f"batch_size={batch_size} is larger than the test set ({size} samples) with "
+            raise ConfigError(f"batch_size={batch_size} is larger than the test set ({size} samples) with "
                              f"drop_last=True: nothing would be evaluated. Lower batch_size or set drop_last=False")
         return DataLoader(dataset, batch_size=max(1, batch_size // world), drop_last=False,
                           sampler=ShardSampler(dataset, num_replicas=world, rank=rank, size=kept), **common)
@@ -100,7 +101,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     batches = GlobalBatchSampler(size, batch_size, world=world, rank=rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last, with_epoch=seed_per_sample, resample=resample)
     if len(batches) == 0:
-        raise ValueError(f"batch_size={batch_size} is larger than the training set ({size} samples) "
+        raise ConfigError(f"batch_size={batch_size} is larger than the training set ({size} samples) "
                          f"with drop_last=True: no batch would be made. Lower batch_size or set drop_last=False")
     if seed_per_sample:
         dataset = SeededDataset(dataset, seed)

@@ -184,6 +184,6 @@ def check_installed(formats: Sequence[Format], simplify: bool = True) -> None:
     absent = missing(list(dict.fromkeys(needed)))
     if absent:
         by_format = {f.name: [m for m in needs(f) if m in absent] for f in formats}
-        lines = [f"{name}: {', '.join(mods)} ({'; '.join(pip_command(m) for m in mods)})"
-                 for name, mods in by_format.items() if mods]
-        raise MissingRuntimeError("runtimes missing for the formats asked for: " + " | ".join(lines))
+        lines = [f"{name}: {', '.join(mods)}" for name, mods in by_format.items() if mods]
+        raise MissingRuntimeError("runtimes missing for the formats asked for: " + " | ".join(lines)
+                                  + f"; install them: {pip_command(*absent)}")

@@ -16,6 +16,8 @@ import tempfile
 from types import ModuleType
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from basetrainer.runtime.errors import MissingExtraError
+
 logger = logging.getLogger(__name__)
 
 # import name -> (pip package, basetrainer extra, what it is for)
@@ -34,15 +36,18 @@ PACKAGES: Dict[str, Tuple[str, Optional[str], str]] = {
 }
 
 
-class MissingRuntimeError(ImportError):
-    """An optional runtime is not installed; the message names the pip command."""
+class MissingRuntimeError(MissingExtraError):
+    """An optional runtime is not installed; the message names the pip command (an ImportError)."""
 
 
-def pip_command(module: str) -> str:
-    package, extra, _ = PACKAGES[module]
-    if extra:
-        return f'pip install "basetrainer[{extra}]" (or pip install {package})'
-    return f"pip install {package}"
+def pip_command(*modules: str) -> str:
+    """One pip command installing the packages of ``modules`` (keys of :data:`PACKAGES`): the
+    basetrainer extras, each once, when every one has an extra; else the packages."""
+    packages = " ".join(dict.fromkeys(PACKAGES[m][0] for m in modules))
+    extras = list(dict.fromkeys(PACKAGES[m][1] for m in modules))
+    if None in extras:
+        return f"pip install {packages}"
+    return f'pip install "basetrainer[{",".join(extras)}]" (or pip install {packages})'
 
 
 def require(module: str) -> ModuleType:

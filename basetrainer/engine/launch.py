@@ -5,13 +5,17 @@ job with several tasks -> this process joins that world; otherwise it spawns
 ``num_gpus_per_machine`` processes on this machine (NCCL on GPUs, gloo on the CPU).
 """
 import datetime
+import functools
 import gc
 import logging
 import multiprocessing
 import os
 import pickle
+import shutil
 import socket
 import subprocess
+import tempfile
+import traceback
 from typing import Any, Callable, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
@@ -19,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from basetrainer.engine.spawn import spawn
+from basetrainer.runtime.errors import EXIT_USAGE, ConfigError, UsageError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+RESULT = "result.pkl"   # the first spawned rank's result, for the launching process
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -45,12 +51,12 @@ def _port_busy(host: str, port: int) -> bool:
 def _resolve_url(dist_url: Optional[str], num_machines: int) -> str:
     if not dist_url or dist_url == "auto":
         if num_machines > 1:
-            raise ValueError("dist_url='auto' only works on one machine; with num_machines > 1 give "
+            raise ConfigError("dist_url='auto' only works on one machine; with num_machines > 1 give "
                              "tcp://<address of machine 0>:<port>, the same on every machine")
         return f"tcp://127.0.0.1:{find_free_port()}"
     parsed = urlparse(dist_url)
     if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
-        raise ValueError(f"dist_url={dist_url!r} must look like tcp://127.0.0.1:28661 (or be 'auto')")
+        raise ConfigError(f"dist_url={dist_url!r} must look like tcp://127.0.0.1:28661 (or be 'auto')")
     if num_machines == 1 and _port_busy(parsed.hostname, parsed.port):
         port = find_free_port(parsed.hostname)
         logger.warning("dist_url %s: port %d is busy; using free port %d instead", dist_url, parsed.port, port)
@@ -63,7 +69,7 @@ def _timeout(timeout: Any) -> datetime.timedelta:
         return timeout
     if isinstance(timeout, (int, float)) and timeout > 0:
         return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta")
+    raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta")
 
 
 def _pick_backend(backend: Optional[str], nprocs: int) -> str:
@@ -124,7 +130,8 @@ def _elastic_store(world_size: int, rank: int, timeout: datetime.timedelta) -> A
 
 
 def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: str, world_size: int,
-                  rank: int, local_rank: int, timeout: datetime.timedelta, keep_result: bool = True) -> Any:
+                  rank: int, local_rank: int, timeout: datetime.timedelta,
+                  deliver: Optional[Callable[[Any], None]] = None) -> Any:
     _let_ddp_free_its_group()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)  # before any collective
@@ -136,7 +143,8 @@ def _run_in_group(main_func: Callable, args: Tuple, backend: str, init_method: s
                                 timeout=timeout)
     try:
         result = main_func(*args)
-        if not keep_result:
+        if deliver is not None:   # a spawned rank: the result goes to the launching process (or nowhere)
+            deliver(result)
             result = None  # a returned trainer would keep its DDP model, and so the group, alive
         dist.barrier()  # leave together: gloo may abort a rank that tears down while peers still work
         return result
@@ -159,9 +167,51 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
+def _send_result(path: str, result: Any) -> None:
+    """Pickle ``result`` to ``path`` for the launching process (a warning when it can't be)."""
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:   # a trainer, a model, a lambda: anything pickle refuses
+        logger.warning("launch: main_func returned a %s, which can't be sent back to the launching process (%s): "
+                       "launch() returns None there; return figures (a History, a dict) rather than objects that "
+                       "hold the model", type(result).__name__, e)
+        return
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _send_usage_error(outbox: str, rank: int, error: BaseException) -> None:
+    """Leave a rank's user error (with its traceback as a note) for the launching process, which
+    raises it once (the ranks print nothing)."""
+    error.add_note(f"(raised in rank {rank}; its traceback:)\n{traceback.format_exc().rstrip()}")
+    try:
+        data = pickle.dumps(error)
+    except Exception:   # e.g. an attribute pickle refuses: the message is what counts
+        data = pickle.dumps(UsageError(str(error)))
+    with open(os.path.join(outbox, f"usage_error.{rank}.pkl"), "wb") as f:
+        f.write(data)
+
+
+def _received(outbox: str, name: str) -> Tuple[bool, Any]:
+    """``(True, object)`` from ``outbox/name`` when a rank left it there, else ``(False, None)``."""
+    path = os.path.join(outbox, name)
+    if not os.path.isfile(path):
+        return False, None
+    with open(path, "rb") as f:
+        return True, pickle.load(f)
+
+
+def _raise_usage_error(outbox: str, world_size: int) -> None:
+    """Raise the user error a rank (the lowest) left in ``outbox``, if any."""
+    for rank in range(world_size):
+        found, error = _received(outbox, f"usage_error.{rank}.pkl")
+        if found:
+            raise error from None   # the rank's traceback is its note; the spawn's failure says nothing more
+
+
 def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, nprocs: int,
             machine_rank: int, backend: str, dist_url: str, timeout: datetime.timedelta,
-            children: Optional[str] = None) -> None:
+            children: Optional[str] = None, outbox: Optional[str] = None) -> None:
     rank = machine_rank * nprocs + local_rank
     if children:   # the launcher's start method (its platform's default unless it set one)
         multiprocessing.set_start_method(children, force=True)
@@ -169,7 +219,15 @@ def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, 
         torch.set_num_threads(max(1, (os.cpu_count() or nprocs) // nprocs))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": str(machine_rank)})
-    _run_in_group(main_func, args, backend, dist_url, world_size, rank, local_rank, timeout, keep_result=False)
+    deliver = functools.partial(_send_result, os.path.join(outbox, RESULT)) if outbox and local_rank == 0 else \
+        (lambda result: None)
+    try:
+        _run_in_group(main_func, args, backend, dist_url, world_size, rank, local_rank, timeout, deliver=deliver)
+    except UsageError as e:
+        if not outbox:
+            raise
+        _send_usage_error(outbox, rank, e)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optional[str] = "auto",
@@ -191,11 +249,17 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
         backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, gloo without.
 
     Returns:
-        ``main_func``'s result when it runs in this process (not distributed, torchrun, SLURM);
-        None after spawning. Return figures rather than the trainer: a DDP model still
-        referenced keeps the process group's threads alive until the interpreter shuts down.
+        What ``main_func`` returned, in the same shape whichever way it ran: its result in this
+        process when it runs here (not distributed; torchrun and SLURM, where each process gets
+        its own rank's result), and when ``launch`` spawned the processes, the result of the
+        first one it spawned (rank 0 on machine 0), sent back by pickle. Return figures (the
+        History, a dict) rather than the trainer: a result that can't be pickled back gives
+        None with a warning (and a DDP model still referenced keeps the process group alive).
 
     Raises:
+        UsageError: a user error (a config value, a path, a missing package) in a spawned rank,
+            raised once here with its message (the ranks print nothing; the rank's traceback is
+            a note of the exception).
         Exception: the failing rank's error (with its traceback); the other ranks are stopped.
 
     Example::
@@ -206,15 +270,15 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
     args = tuple(args)
     if not distributed:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise RuntimeError(f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']} but distributed "
+            raise ConfigError(f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']} but distributed "
                                f"is off: pass --distributed (or set distributed: true in the config)")
         return main_func(*args)
     timeout = _timeout(timeout)
     if not isinstance(num_gpus_per_machine, int) or num_gpus_per_machine < 1:
-        raise ValueError(f"num_gpus_per_machine={num_gpus_per_machine!r} must be a positive integer "
+        raise ConfigError(f"num_gpus_per_machine={num_gpus_per_machine!r} must be a positive integer "
                          f"(len(gpu_id))")
     if not isinstance(num_machines, int) or num_machines < 1 or not 0 <= machine_rank < num_machines:
-        raise ValueError(f"machine_rank={machine_rank!r} must be in [0, num_machines={num_machines!r})")
+        raise ConfigError(f"machine_rank={machine_rank!r} must be in [0, num_machines={num_machines!r})")
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:  # torchrun
         local_rank = int(env["LOCAL_RANK"])
@@ -242,6 +306,20 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
     # a spawned process starts its own children by spawn too: the ranks' DataLoader workers would
     # import torch and the script again (seconds each), unlike the same script under torchrun
     children = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    spawn(_worker, num_gpus_per_machine,
-          (main_func, args, world_size, num_gpus_per_machine, machine_rank, backend, url, timeout, children))
-    return None
+    outbox = tempfile.mkdtemp(prefix="basetrainer-launch-")   # the first rank's result, the ranks' user errors
+    try:
+        try:
+            spawn(_worker, num_gpus_per_machine, (main_func, args, world_size, num_gpus_per_machine, machine_rank,
+                                                  backend, url, timeout, children, outbox))
+        except Exception:
+            _raise_usage_error(outbox, world_size)   # one message, not one traceback per rank
+            raise
+        try:
+            return _received(outbox, RESULT)[1]
+        except Exception as e:   # pickled in the rank, but it can't be rebuilt here (e.g. it needs the group)
+            logger.warning("launch: main_func's result could not be unpickled in the launching process (%s): "
+                           "returning None; return figures (a History, a dict) rather than objects that hold "
+                           "the model", e)
+            return None
+    finally:
+        shutil.rmtree(outbox, ignore_errors=True)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from basetrainer.dataloader import loader as loaders
 from basetrainer.runtime import atomic, checkpoint, comm, run_folder
+from basetrainer.runtime.errors import ConfigError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,11 @@ def _decided_by_main(decide: Callable[[], Any], public: Callable[[Any], Any] = l
         except Exception as e:
             if comm.get_world_size() == 1:
                 raise
-            outcome = ("error", (type(e).__name__, str(e)))
+            outcome = ("error", e if isinstance(e, UsageError) else (type(e).__name__, str(e)))
     outcome = comm.broadcast_object(outcome)
     if outcome[0] == "error":
+        if isinstance(outcome[1], UsageError):   # the same kind on every rank (a command shows it as one line)
+            raise outcome[1]
         name, message = outcome[1]
         kind = getattr(builtins, name, RuntimeError)
         raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
@@ -130,7 +133,7 @@ def _refuse_other_runs(trainer: Any, state: dict, path: str) -> None:
     changes = checkpoint.config_changes(state.get("config") or {}, dict(trainer.cfg))
     breaking = [c for c in changes if c[0] in checkpoint.IDENTITY_KEYS]
     if breaking:
-        raise ValueError(
+        raise ConfigError(
             f"resume from {path}: the config changes what is trained, so this would not continue that run: "
             + "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in breaking)
             + ". Keep those values to resume it, or start a new run: another work_dir, or overwrite: true "
@@ -147,7 +150,7 @@ def _refuse_other_runs(trainer: Any, state: dict, path: str) -> None:
     else:   # an older checkpoint, or a loader not made by build_dataloader: the config key that draws it
         layout += [c for c in changes if c[0] == "balance"]
     if layout:
-        raise ValueError(
+        raise ConfigError(
             f"resume from {path}: it was saved inside epoch {epoch} (after step {batch}), and the epoch's batches "
             f"are laid out otherwise now: " + "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in layout)
             + f". The steps after the stop would not continue the {batch} before it (other batches: samples seen "
@@ -213,7 +216,7 @@ def _decide(trainer: Any) -> Start:
     marker = run_folder.read_marker(chosen)
     if resume == "auto" and not overwrite:
         if folder is None:
-            raise ValueError("resume='auto' needs a checkpoint folder: set work_dir, or add a ModelCheckpoint")
+            raise ConfigError("resume='auto' needs a checkpoint folder: set work_dir, or add a ModelCheckpoint")
         found = folder.find_resumable()
         if found is not None:
             _refuse_other_runs(trainer, found[1], found[0])
@@ -221,7 +224,7 @@ def _decide(trainer: Any) -> Start:
     elif resume and resume != "auto":
         state = checkpoint.load_file(resume, map_location="cpu")
         if not checkpoint.is_resumable(state):
-            raise ValueError(f"resume={resume!r} holds weights only, not a resumable checkpoint "
+            raise ConfigError(f"resume={resume!r} holds weights only, not a resumable checkpoint "
                              f"(optimizer, epoch, ...); use finetune for weights, or resume from last.pth")
         _refuse_other_runs(trainer, state, resume)
         if folder is not None and _inside(resume, folder.folder):
@@ -293,10 +296,18 @@ def prepare_run(trainer: Any) -> None:
             logger.warning("resume from %s: that run had stopped (stop_training, e.g. EarlyStopping) at the %s: "
                            "nothing more is trained. To train on, start a new run from it: resume: %s with "
                            "another work_dir", start.path, checkpoint.describe(state), start.path)
+        elif trainer.start_epoch >= int(trainer.num_epochs):   # one line: nothing was interrupted, nothing follows
+            planned = (state.get("config") or {}).get("num_epochs")
+            if planned in (None, trainer.start_epoch) and trainer.start_epoch == int(trainer.num_epochs):
+                logger.warning("the run in %s finished all %d epochs (%s): nothing left to train; raise num_epochs "
+                               "to train on", os.path.normpath((trainer.cfg or {}).get("work_dir") or
+                                                               os.path.dirname(start.path)),
+                               trainer.start_epoch, os.path.basename(start.path))
+            else:
+                _say_if_done(trainer, start.path)
         else:
-            logger.info("resumed from %s (%s): continuing at epoch %d (step %d)", start.path,
-                        checkpoint.describe(state), trainer.start_epoch, trainer.global_step)
-            _say_if_done(trainer, start.path)
+            logger.info("resumed from %s (%s): continuing at epoch %d, step %d of it (global step %d)", start.path,
+                        checkpoint.describe(state), trainer.start_epoch, trainer.batch_in_epoch, trainer.global_step)
 
 
 def _say_if_done(trainer: Any, source: str) -> None:

@@ -14,6 +14,7 @@ from basetrainer.engine import inference, resume
 from basetrainer.engine.engine import Engine
 from basetrainer.models import sync_batchnorm
 from basetrainer.runtime import comm, fsdp_build, sharding
+from basetrainer.runtime.errors import ConfigError
 from basetrainer.runtime.modules import ModelWithLoss
 from basetrainer.utils import setup_config, torch_tools
 
@@ -69,7 +70,7 @@ class EngineTrainer(Engine):
         self.amp = str(cfg.amp).lower()
         self.accumulate_steps = cfg.accumulate_steps
         if cfg.loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"config key 'loss_reduction' = {cfg.loss_reduction!r} must be 'mean' (run_step returns "
+            raise ConfigError(f"config key 'loss_reduction' = {cfg.loss_reduction!r} must be 'mean' (run_step returns "
                              f"the mean loss over its batch, the default) or 'sum' (the sum over its samples)")
         self.loss_reduction = cfg.loss_reduction
         self.clip_grad_norm = cfg.clip_grad_norm or None
@@ -104,7 +105,7 @@ class EngineTrainer(Engine):
             count = torch.cuda.device_count()
             absent = [g for g in gpu_id if g < 0 or g >= count]
             if absent:
-                raise ValueError(f"gpu_id={gpu_id}: {absent} not present; this machine has {count} CUDA "
+                raise ConfigError(f"gpu_id={gpu_id}: {absent} not present; this machine has {count} CUDA "
                                  f"device(s) (ids 0..{count - 1}). Set gpu_id to ids that exist, or [] for the CPU")
         device = comm.get_device(gpu_id)
         if device.type == "cuda":

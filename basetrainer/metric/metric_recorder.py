@@ -17,6 +17,7 @@ from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.recorder import PHASES, Recorder, check_phases
 from basetrainer.metric.recorder_inputs import pick_output, pick_targets, update_driver, update_error
 from basetrainer.runtime import comm
+from basetrainer.runtime.errors import MissingExtraError
 
 INSTALL = 'pip install "basetrainer[metrics]"'
 
@@ -108,7 +109,7 @@ class MetricRecorder(Recorder):
         try:
             import torchmetrics
         except ImportError as e:
-            raise ImportError(f"MetricRecorder needs torchmetrics: {INSTALL}") from e
+            raise MissingExtraError(f"MetricRecorder needs torchmetrics: {INSTALL}") from e
         from basetrainer.metric import metric_states
 
         self.collection = isinstance(metric, torchmetrics.MetricCollection)

@@ -11,6 +11,8 @@ from typing import Any, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from basetrainer.runtime.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 SMALL_INPUT = 64  # inputs up to this size keep more resolution: the first conv gets stride 1
@@ -26,7 +28,7 @@ def model_names() -> List[str]:
 def _check_input_size(input_size: Any) -> List[int]:
     if (not isinstance(input_size, (list, tuple)) or len(input_size) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in input_size)):
-        raise ValueError(f"input_size={input_size!r} must be two positive integers [W, H], e.g. [224, 224]")
+        raise ConfigError(f"input_size={input_size!r} must be two positive integers [W, H], e.g. [224, 224]")
     return list(input_size)
 
 
@@ -118,10 +120,10 @@ def get_models(net_type: str, input_size: Sequence[int] = (224, 224), num_classe
 
     size = _check_input_size(input_size)
     if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-        raise ValueError(f"num_classes={num_classes!r} must be a positive integer")
+        raise ConfigError(f"num_classes={num_classes!r} must be a positive integer")
     names = model_names()
     if not isinstance(net_type, str) or net_type.lower() not in names:
-        raise ValueError(f"unknown net_type {net_type!r}; choose from {names}")
+        raise ConfigError(f"unknown net_type {net_type!r}; choose from {names}")
     net_type = net_type.lower()
     model = torchvision.models.get_model(net_type, weights=None, **kwargs)
     if pretrained is True:  # torchvision's weights fit the 1000-class model: load before resizing

@@ -4,6 +4,7 @@ from typing import Any, Callable, Dict, Iterable, List, Union
 import torch
 from torch import nn
 
+from basetrainer.runtime.errors import ConfigError
 from basetrainer.utils.setup_config import LR_RULE, valid_lr
 
 _OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -57,11 +58,11 @@ def get_optimizer(model: Union[nn.Module, Iterable[Any]], optim_type: str = "SGD
     """
     key = optim_type.strip().lower() if isinstance(optim_type, str) else None
     if key not in _OPTIMIZERS:
-        raise ValueError(f"unknown optim_type {optim_type!r}; choose from {optimizer_names()}")
+        raise ConfigError(f"unknown optim_type {optim_type!r}; choose from {optimizer_names()}")
     if not valid_lr(lr):
-        raise ValueError(f"lr={lr!r} {LR_RULE}")
+        raise ConfigError(f"lr={lr!r} {LR_RULE}")
     if weight_decay is None or weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+        raise ConfigError(f"weight_decay={weight_decay!r} must be >= 0")
     if isinstance(model, nn.Module):
         params: Any = (param_groups(model, weight_decay) if no_decay_norm_bias
                        else [p for p in model.parameters() if p.requires_grad])

@@ -16,6 +16,7 @@ from torch import nn
 
 from basetrainer.pruning.options import INSTALL_HINTS
 from basetrainer.pruning.structural import import_torch_pruning
+from basetrainer.runtime.errors import MissingExtraError
 
 #: prune_type -> NNI 3.0 pruner class in ``nni.compression.pruning``.
 NNI_PRUNERS: Dict[str, str] = {"l1": "L1NormPruner", "l2": "L2NormPruner", "fpgm": "FPGMPruner"}
@@ -30,7 +31,7 @@ def import_nni_pruning() -> Any:
     try:
         from nni.compression import pruning
     except ImportError as exc:
-        raise ImportError(
+        raise MissingExtraError(
             "backend='nni' needs NNI>=3.0 (nni.compression.pruning), which is not installed; "
             f"install it with: {INSTALL_HINTS['nni']} - or use backend='torch-pruning'") from exc
     return pruning

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from basetrainer.pruning.options import INSTALL_HINTS
+from basetrainer.runtime.errors import MissingExtraError
 
 #: prune_type -> (torch-pruning importance class, its keyword arguments).
 IMPORTANCES: Dict[str, Tuple[str, Dict[str, Any]]] = {
@@ -34,7 +35,7 @@ def import_torch_pruning() -> Any:
     try:
         import torch_pruning
     except ImportError as exc:
-        raise ImportError(
+        raise MissingExtraError(
             "structured pruning needs the torch-pruning package (torch-pruning>=1.3), which is "
             f"not installed; install it with: {INSTALL_HINTS['torch-pruning']}") from exc
     return torch_pruning
@@ -46,9 +47,9 @@ def make_importance(prune_type: str) -> Callable[..., Optional[torch.Tensor]]:
     class_name, kwargs = IMPORTANCES[prune_type]
     cls = getattr(tp.importance, class_name, None)
     if cls is None:
-        raise ImportError(f"prune_type={prune_type!r} needs torch_pruning.importance.{class_name}, "
-                          f"missing from torch-pruning {getattr(tp, '__version__', '?')}; "
-                          'upgrade with: pip install -U "torch-pruning>=1.3"')
+        raise MissingExtraError(f"prune_type={prune_type!r} needs torch_pruning.importance.{class_name}, "
+                                f"missing from torch-pruning {getattr(tp, '__version__', '?')}; "
+                                'upgrade with: pip install -U "torch-pruning>=1.3"')
     return cls(**kwargs)
 
 

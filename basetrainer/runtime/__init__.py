@@ -1,3 +1,3 @@
 """The bottom layer: process-group helpers (:mod:`.comm`), files written atomically
 (:mod:`.atomic`), the run's checkpoints (:mod:`.checkpoint`), the run folder's rules
-(:mod:`.run_folder`) and model unwrapping (:mod:`.modules`). Imports nothing of basetrainer."""
+(:mod:`.run_folder`), model unwrapping (:mod:`.modules`) and the user errors (:mod:`.errors`). Imports nothing of basetrainer."""

@@ -13,6 +13,7 @@ import uuid
 from typing import Iterable, List, Optional
 
 from basetrainer.runtime import atomic, processes
+from basetrainer.runtime.errors import ConfigError, WorkDirError
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def move_aside(folder: str) -> str:
     path = os.path.abspath(folder)
     here = os.path.abspath(os.getcwd())
     if here == path or here.startswith(path.rstrip(os.sep) + os.sep) or path in (os.path.expanduser("~"), os.sep):
-        raise ValueError(f"overwrite: true would move {folder!r} aside, but it holds the current folder "
+        raise ConfigError(f"overwrite: true would move {folder!r} aside, but it holds the current folder "
                          f"(or is the home or root folder); give the run a folder of its own (work_dir)")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     dest, n = f"{path}.old-{stamp}", 1
@@ -175,10 +176,10 @@ def _reopen_log_files(folder: str) -> None:
             old.close()
 
 
-def refusal(where: str, evidence: Iterable[str], what: str = "a new run") -> FileExistsError:
+def refusal(where: str, evidence: Iterable[str], what: str = "a new run") -> WorkDirError:
     shown = sorted(evidence)
     listed = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
-    return FileExistsError(
+    return WorkDirError(
         f"{where} already holds the files of another run ({listed}); {what} there would mix with "
         f"them or replace them. Continue that run with resume: auto (--resume auto), give this run "
         f"another work_dir, or set overwrite: true (--overwrite) to move the old run aside to "

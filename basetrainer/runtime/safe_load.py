@@ -12,6 +12,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from basetrainer.runtime.errors import PathError
+
 
 def load_file(path: str, map_location: Any = "cpu") -> Any:
     """Load a ``.pth`` with ``weights_only=True``; every failure names the file and the problem.
@@ -22,7 +24,7 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
             not a torch file, or carries pickled code (refused).
     """
     if not path or not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path!r} does not exist; check the path "
+        raise PathError(f"checkpoint file {path!r} does not exist; check the path "
                                 f"(finetune/resume/pretrained keys)")
     if os.path.getsize(path) == 0:
         raise ValueError(f"checkpoint file {path!r} is empty (0 bytes): it was not written completely")

@@ -14,7 +14,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from basetrainer.callbacks.callbacks import Callback
-from basetrainer.utils.setup_config import LR_RULE, valid_lr
+from basetrainer.runtime import comm
+from basetrainer.runtime.errors import ConfigError
+from basetrainer.utils.setup_config import LR_RULE, SCHEDULE_ON_RESUME, valid_lr
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +64,16 @@ def scheduler_names() -> List[str]:
 
 def _canonical(name: str) -> str:
     if not isinstance(name, str):
-        raise ValueError(f"scheduler={name!r} must be a string; choose from {scheduler_names()}")
+        raise ConfigError(f"scheduler={name!r} must be a string; choose from {scheduler_names()}")
     key = name.strip().lower()
     key = _ALIASES.get(key.replace("-", "").replace("_", ""), _ALIASES.get(key, key))
     if key not in _SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r}; choose from {scheduler_names()}")
+        raise ConfigError(f"unknown scheduler {name!r}; choose from {scheduler_names()}")
     return key
+
+
+#: what ``schedule_on_resume`` accepts: what the schedule does when a resume changes num_epochs
+ON_RESUME = SCHEDULE_ON_RESUME
 
 
 class LRSchedulerCallback(Callback):
@@ -77,16 +83,34 @@ class LRSchedulerCallback(Callback):
     It positions a :class:`torch.optim.lr_scheduler.LambdaLR` at the global optimizer step
     before each step, so it is exact after a resume and with gradient accumulation (it counts
     optimizer steps, ``ceil(num_steps / accumulate_steps)`` per epoch).
+
+    A resume with another ``num_epochs`` than the checkpoint's (e.g. raised to train a finished
+    run on) does what ``on_resume`` says (default: the trainer's config key
+    ``schedule_on_resume``, else ``stretch``), and logs one line with the LR before and after:
+
+    - ``stretch``: the schedule is recomputed for the new ``num_epochs`` and goes on from the
+      step reached (a cosine then jumps to where the longer curve is at that step);
+    - ``restart``: a new schedule, warm-up included, over the epochs left, from the step reached
+      (a warm restart).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, name: str, factor: Callable[[float, float], float],
-                 num_steps: int, num_warn_up: float = 0) -> None:
+                 num_steps: int, num_warn_up: float = 0, num_epochs: Optional[int] = None,
+                 make: Optional[Callable[[float], Callable[[float, float], float]]] = None,
+                 on_resume: Optional[str] = None) -> None:
         super().__init__()
+        if on_resume is not None and on_resume not in ON_RESUME:
+            raise ConfigError(f"on_resume={on_resume!r} must be one of {list(ON_RESUME)}")
+        self.num_epochs = num_epochs   # the length the schedule is built for (None: unknown)
+        self.make = make               # length in epochs -> factor: rebuilds the schedule for another length
+        self.on_resume = on_resume
+        self.origin = 0                # the global optimizer step the schedule starts from (a restart moves it)
+        self._saved: Optional[Dict[str, Any]] = None   # a loaded state, applied when the run begins
         if not isinstance(num_steps, int) or num_steps <= 0:
             raise ValueError(f"num_steps={num_steps!r} must be the number of train batches per epoch "
                              f"(len(train_loader)), a positive integer")
         if num_warn_up is None or num_warn_up < 0:
-            raise ValueError(f"num_warn_up={num_warn_up!r} must be a number of epochs >= 0")
+            raise ConfigError(f"num_warn_up={num_warn_up!r} must be a number of epochs >= 0")
         self.optimizer = optimizer
         self.name = name
         self.factor = factor
@@ -110,6 +134,7 @@ class LRSchedulerCallback(Callback):
     def lr_factor(self, step: int) -> float:
         """The multiplier of the initial LR at global optimizer step ``step``."""
         n = self.steps_per_epoch()
+        step -= self.origin
         warm_steps = self.num_warn_up * n
         warm = min(1.0, (step + 1) / warm_steps) if warm_steps > 0 else 1.0
         return warm * self.factor(step / n, self.num_warn_up)
@@ -133,12 +158,65 @@ class LRSchedulerCallback(Callback):
             logs["lr"] = self.optimizer.param_groups[self.logged_group]["lr"]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"last_step": int(self.scheduler.last_epoch), "base_lrs": list(self.scheduler.base_lrs)}
+        state = {"last_step": int(self.scheduler.last_epoch), "base_lrs": list(self.scheduler.base_lrs),
+                 "origin": int(self.origin)}
+        if self.num_epochs is not None:
+            state["num_epochs"] = int(self.num_epochs)
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         # the LRs after warm-up stay those this schedule was built with, i.e. the current
         # config's (a changed lr on resume takes effect); the position is recomputed every step
         self.scheduler.last_epoch = int(state.get("last_step", self.scheduler.last_epoch))
+        self._saved = dict(state)   # the length it had: applied in on_train_begin (the trainer is known there)
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        self._place(int(saved.get("origin", 0)))
+        before = saved.get("num_epochs")
+        if before is None or self.num_epochs is None or int(before) == self.num_epochs:
+            return
+        policy = self.on_resume or _config_key(self.trainer, "schedule_on_resume") or "stretch"
+        last = int(saved.get("last_step", -1))
+        step = int(getattr(self.trainer, "global_step", last + 1))
+        old = self._factor_at(last, int(saved.get("origin", 0)), float(before))
+        if policy == "restart" and self.make is not None:
+            self._place(step)
+            what = (f"starts over at step {step} for the {self.num_epochs - step / self.steps_per_epoch():g} "
+                    f"epochs left (schedule_on_resume: restart; warm-up included)")
+            other = "stretch recomputes it for the new num_epochs and goes on instead"
+        else:
+            what = f"is recomputed for {self.num_epochs} epochs and goes on from step {step} (schedule_on_resume: stretch)"
+            other = "restart starts a new one over the epochs left instead"
+        if comm.is_main_process():
+            base = self.scheduler.base_lrs[self.logged_group]
+            logger.info("num_epochs %s -> %d on resume: the %s LR schedule %s; the LR goes from %.3g (step %d) to "
+                        "%.3g (step %d); schedule_on_resume: %s", before, self.num_epochs, self.name, what,
+                        base * old, last, base * self.lr_factor(step), step, other)
+
+    def _place(self, origin: int) -> None:
+        """Start the schedule at global step ``origin``, over the epochs from there to ``num_epochs``."""
+        self.origin = origin
+        if self.make is not None and self.num_epochs is not None:
+            self.factor = self.make(self.num_epochs - origin / self.steps_per_epoch())
+
+    def _factor_at(self, step: int, origin: int, num_epochs: float) -> float:
+        """The factor at ``step`` of the schedule that starts at ``origin`` and ends at ``num_epochs``."""
+        if self.make is None:
+            return self.lr_factor(step)
+        saved = self.origin, self.factor
+        try:
+            self.origin, self.factor = origin, self.make(num_epochs - origin / self.steps_per_epoch())
+            return self.lr_factor(step)
+        finally:
+            self.origin, self.factor = saved
+
+
+def _config_key(trainer: Any, key: str) -> Any:
+    cfg = getattr(trainer, "cfg", None)
+    return cfg.get(key) if hasattr(cfg, "get") else None
 
 
 def _replace_default_lr(optimizer: torch.optim.Optimizer, lr_init: float) -> None:
@@ -155,7 +233,7 @@ def _replace_default_lr(optimizer: torch.optim.Optimizer, lr_init: float) -> Non
 def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Optional[float] = None,
                   num_epochs: int = 1, num_steps: int = 1, milestones: Optional[Sequence[int]] = None,
                   num_warn_up: float = 0, gamma: Optional[float] = None, step_size: Optional[int] = None,
-                  lr_min: float = 0.0, **kwargs: Any) -> LRSchedulerCallback:
+                  lr_min: float = 0.0, on_resume: Optional[str] = None, **kwargs: Any) -> LRSchedulerCallback:
     """Build an LR schedule callback.
 
     Args:
@@ -176,6 +254,9 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
         step_size: epochs between decays for ``step`` (default: a third of ``num_epochs``).
         lr_min: the final LR of ``cosine`` for the groups at the default LR; a group with an LR of
             its own ends at the same fraction of it. Below the LR (0 when the LR is 0).
+        on_resume: when a resume changes ``num_epochs``: ``stretch`` (recompute the schedule for
+            the new length, going on from the step reached) or ``restart`` (a new schedule over
+            the epochs left). Default: the trainer's config key ``schedule_on_resume``.
 
     Returns:
         An :class:`LRSchedulerCallback`; put it in the trainer's callbacks.
@@ -185,10 +266,10 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
     """
     name = _canonical(scheduler)
     if not isinstance(num_epochs, int) or num_epochs <= 0:
-        raise ValueError(f"num_epochs={num_epochs!r} must be a positive integer")
+        raise ConfigError(f"num_epochs={num_epochs!r} must be a positive integer")
     if lr_init is not None:
         if not valid_lr(lr_init):
-            raise ValueError(f"lr_init={lr_init!r} {LR_RULE}")
+            raise ConfigError(f"lr_init={lr_init!r} {LR_RULE}")
         _replace_default_lr(optimizer, float(lr_init))
     if milestones is not None and not isinstance(milestones, (list, tuple)):
         milestones = [milestones]
@@ -214,6 +295,9 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
         raise ValueError(f"lr_min={lr_min!r} must be 0 when the lr is 0 (nothing to anneal); leave lr_min out")
     if base_lr > 0 and lr_min >= base_lr:
         raise ValueError(f"lr_min={lr_min!r} must be >= 0 and below lr={base_lr}")
-    factor = _SCHEDULERS[name](milestones=milestones or [], gamma=gamma, step_size=step_size,
-                               num_epochs=num_epochs, lr_min_ratio=lr_min / base_lr if base_lr else 0.0)
-    return LRSchedulerCallback(optimizer, name, factor, num_steps=num_steps, num_warn_up=num_warn_up or 0)
+    def make(length: float) -> Callable[[float, float], float]:   # the schedule over ``length`` epochs
+        return _SCHEDULERS[name](milestones=milestones or [], gamma=gamma, step_size=step_size,
+                                 num_epochs=length, lr_min_ratio=lr_min / base_lr if base_lr else 0.0)
+
+    return LRSchedulerCallback(optimizer, name, make(num_epochs), num_steps=num_steps, num_warn_up=num_warn_up or 0,
+                               num_epochs=num_epochs, make=make, on_resume=on_resume)

@@ -18,6 +18,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from basetrainer.callbacks.tune_report import pruner_of  # the search and its trials build it alike
+from basetrainer.runtime.errors import ConfigError
 from basetrainer.utils import setup_config
 
 SETTINGS = {"trials": 12, "timeout": 0, "objective": "", "direction": "", "pruner": "median", "seed": 0,
@@ -27,8 +28,9 @@ PRUNERS = ("median", "hyperband", "none")
 SPEC_KEYS = ("low", "high", "log", "step", "type", "choices")
 
 
-class SearchError(ValueError):
-    """A search file or command that cannot run: the message names the key, the value and the fix."""
+class SearchError(ConfigError):
+    """A search file or command that cannot run: the message names the key, the value and the fix
+    (a ValueError)."""
 
 
 def load(path: str, known: Sequence[str], typed: Dict[str, Any]) -> Dict[str, Any]:

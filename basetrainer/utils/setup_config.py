@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from basetrainer.runtime.errors import ConfigError, ConfigTypeError, MissingExtraError, PathError
 from basetrainer.utils import typed_flags
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "tracker_deadline": (60.0, "number", "seconds one call to a tracker (MLflow, W&B: starting the run, a log, an "
                                          "upload, ending the run) may take before it is turned off with one "
                                          "warning; training goes on"),
+    "schedule_on_resume": ("stretch", "str", "a resume that changes num_epochs: stretch (the LR schedule is "
+                                             "recomputed for the new num_epochs and goes on from the step reached) "
+                                             "or restart (a new schedule, warm-up included, over the epochs left)"),
 }
 
 # The names ``loggers`` accepts (LogHistory writes the first two; basetrainer.callbacks.trackers
@@ -174,18 +178,21 @@ def parse_loggers(value: Any, key: str = "loggers") -> List[str]:
         value = [v for v in value.replace(",", " ").split() if v]
     ok, expected = _CHECKS["loggers"]
     if not ok(value):
-        raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected}, "
+        raise ConfigTypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected}, "
                         f"e.g. [tensorboard, csv, mlflow]")
     names = list(dict.fromkeys(v.strip().lower() for v in value))
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
-        raise ValueError(f"config key {key!r} = {list(value)!r}: unknown logger {unknown[0]!r}; choose from "
+        raise ConfigError(f"config key {key!r} = {list(value)!r}: unknown logger {unknown[0]!r}; choose from "
                          f"{list(LOGGERS)} (e.g. loggers: [tensorboard, csv, mlflow])")
     return names
 
 
 # The values ``balance`` accepts (basetrainer.dataloader.data_resample.CONFIG_CHOICES).
 BALANCE_CHOICES = ("none", "mean", "log", "sqrt")
+
+# The values ``schedule_on_resume`` accepts (basetrainer.scheduler.build_scheduler.LRSchedulerCallback).
+SCHEDULE_ON_RESUME = ("stretch", "restart")
 
 # The rule for a learning rate, shared by the config and the builders that take one.
 LR_RULE = ("must be a finite number >= 0; set it to e.g. 0.1 (0 is allowed: the weights stay as they are, "
@@ -223,26 +230,30 @@ def validate(cfg: Any) -> None:
                 pass
         ok, expected = _CHECKS[kind]
         if not ok(value):
-            raise TypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected} "
+            raise ConfigTypeError(f"config key {key!r} = {value!r} ({type(value).__name__}) must be {expected} "
                             f"({meaning})")
     for key in ("batch_size", "num_epochs", "log_freq", "accumulate_steps"):
         if key in cfg and cfg[key] <= 0:
-            raise ValueError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
+            raise ConfigError(f"config key {key!r} = {cfg[key]!r} must be a positive integer")
     if "tracker_deadline" in cfg and not 0 < cfg["tracker_deadline"] < math.inf:
-        raise ValueError(f"config key 'tracker_deadline' = {cfg['tracker_deadline']!r} must be a positive number of "
+        raise ConfigError(f"config key 'tracker_deadline' = {cfg['tracker_deadline']!r} must be a positive number of "
                          f"seconds (default 60); to go without a tracker, remove it from loggers")
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"
-            raise ValueError(f"config key {key!r} = {value!r} must be >= 0 and finite")
+            raise ConfigError(f"config key {key!r} = {value!r} must be >= 0 and finite")
     if "seed" in cfg and not -2 ** 62 <= cfg["seed"] < 2 ** 62:   # the loaders add rank and epoch offsets
-        raise ValueError(f"config key 'seed' = {cfg['seed']!r} is out of range: use an integer of magnitude "
+        raise ConfigError(f"config key 'seed' = {cfg['seed']!r} is out of range: use an integer of magnitude "
                          f"below 2**62 (e.g. 2020)")
     if "balance" in cfg and str(cfg["balance"]).lower() not in BALANCE_CHOICES:
-        raise ValueError(f"config key 'balance' = {cfg['balance']!r} is not one of {list(BALANCE_CHOICES)}: none "
+        raise ConfigError(f"config key 'balance' = {cfg['balance']!r} is not one of {list(BALANCE_CHOICES)}: none "
                          f"(no resampling), mean, log or sqrt (see basetrainer.dataloader.data_resample)")
+    if "schedule_on_resume" in cfg and cfg["schedule_on_resume"] not in SCHEDULE_ON_RESUME:
+        raise ConfigError(f"config key 'schedule_on_resume' = {cfg['schedule_on_resume']!r} is not one of "
+                          f"{list(SCHEDULE_ON_RESUME)}: stretch (recompute the LR schedule for a changed num_epochs) "
+                          f"or restart (a new schedule over the epochs left)")
     if "lr" in cfg and not valid_lr(cfg["lr"]):
-        raise ValueError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
+        raise ConfigError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 
 
 def with_defaults(cfg: Any) -> Any:
@@ -270,7 +281,7 @@ def load_config(config_file: str) -> Config:
     import yaml
 
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"config_file {config_file!r} does not exist")
+        raise PathError(f"config_file {config_file!r} does not exist")
     with open(config_file, encoding="utf-8") as f:
         text = f.read()
     try:
@@ -279,11 +290,11 @@ def load_config(config_file: str) -> Config:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise ValueError(f"config_file {config_file!r} is not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"config_file {config_file!r} is not valid YAML{where}: {problem}") from None
     if data is None:
         return Config()
     if not isinstance(data, dict):
-        raise ValueError(f"config_file {config_file!r} must hold a mapping of keys to values, "
+        raise ConfigError(f"config_file {config_file!r} must hold a mapping of keys to values, "
                          f"got {type(data).__name__}")
     return Config(data)
 
@@ -301,6 +312,45 @@ def save_config(cfg: Any, config_file: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- argparse
+def _optint(text: str) -> Optional[int]:
+    return None if text.strip().lower() in ("none", "null") else int(text)
+
+
+def _boolpath(text: str) -> Any:
+    return {"true": True, "false": False}.get(text.strip().lower(), text)
+
+
+# how a flag reads each kind of ENGINE_KEYS value from the command line
+_FLAG_FORMS: Dict[str, Dict[str, Any]] = {
+    "str": {"type": str}, "int": {"type": int}, "optint": {"type": _optint, "metavar": "INT|none"},
+    "number": {"type": float}, "bool": {"action": argparse.BooleanOptionalAction},
+    "autobool": {"choices": ["auto", "true", "false"]}, "ints": {"nargs": "*", "type": int},
+    "size": {"nargs": 2, "type": int, "metavar": ("W", "H")}, "path": {"nargs": "+"}, "optpath": {"type": str},
+    "boolpath": {"type": _boolpath, "metavar": "true|false|PATH"}, "strs": {"nargs": "*"},
+    "loggers": {"nargs": "+", "metavar": "NAME"},
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser`` a ``--<key>`` flag for every engine key it has no flag for yet.
+
+    Each flag's default is the key's default, and its help the key's meaning (the table of
+    docs/configuration.md), so every documented key can be typed on the command line
+    (``--sync_bn``, ``--balance sqrt``, ``--no-seed_per_sample``); true/false keys take
+    ``--key`` / ``--no-key``. A script's own flags (declared before) are kept as they are.
+
+    Returns:
+        ``parser``.
+    """
+    for key, (default, kind, meaning) in ENGINE_KEYS.items():
+        text = meaning.replace("%", "%%") + ("" if kind == "bool" else f" (default: {default!r})")  # bool: argparse's
+        try:
+            parser.add_argument(f"--{key}", default=copy.deepcopy(default), help=text, **_FLAG_FORMS[kind])
+        except argparse.ArgumentError:   # the script declares --key itself
+            continue
+    return parser
+
+
 def _warn_unknown(yaml_keys: Iterable[str], known: Iterable[str], config_file: str) -> None:
     known = sorted(set(known))
     for key in yaml_keys:
@@ -379,7 +429,7 @@ def trial_overrides() -> Dict[str, Any]:
         try:
             import nni
         except ImportError:
-            raise ImportError('this run is an NNI trial (NNI_PLATFORM or BASETRAINER_NNI is set) but nni is not '
+            raise MissingExtraError('this run is an NNI trial (NNI_PLATFORM or BASETRAINER_NNI is set) but nni is not '
                               'installed: pip install "basetrainer[nni]"') from None
         return {**dict(nni.get_next_parameter() or {}), "tune": "nni"}
     return {}

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from basetrainer.runtime.errors import MissingExtraError
 from basetrainer.runtime.modules import eval_mode, unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def _torchcam() -> Any:
 
         return torchcam
     except ImportError as e:
-        raise ImportError(f"TorchCAM needs the torchcam package, which is not installed ({e}): {INSTALL}") from e
+        raise MissingExtraError(f"TorchCAM needs the torchcam package, which is not installed ({e}): {INSTALL}") from e
 
 
 def _shape(input_shape: Sequence[int]) -> Tuple[int, ...]:

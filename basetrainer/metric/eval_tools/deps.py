@@ -5,6 +5,8 @@ import io
 import os
 from typing import Any, Optional
 
+from basetrainer.runtime.errors import MissingExtraError
+
 INSTALL = 'pip install "basetrainer[eval]"'
 
 
@@ -15,7 +17,7 @@ def need(module: str, what: str = "the evaluation tools") -> Any:
     except ImportError as e:
         package = {"sklearn": "scikit-learn", "torchcam": "torchcam", "pycocotools": "pycocotools"}.get(
             module.split(".")[0], module.split(".")[0])
-        raise ImportError(f"{what} need(s) {package}, which is not installed ({e}): {INSTALL}") from e
+        raise MissingExtraError(f"{what} need(s) {package}, which is not installed ({e}): {INSTALL}") from e
 
 
 def sklearn_metrics() -> Any:

@@ -21,6 +21,7 @@ import numpy as np
 
 from basetrainer.metric.eval_tools import deps
 from basetrainer.runtime import comm
+from basetrainer.runtime.errors import MissingExtraError
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ def _backend(name: Optional[str]) -> str:
     for backend, module in BACKENDS.items():
         if importlib.util.find_spec(module) is not None:
             return backend
-    raise ImportError(f"MapMetric needs COCO's evaluation (pycocotools or faster-coco-eval), and neither is "
-                      f"installed: {deps.INSTALL}")
+    raise MissingExtraError(f"MapMetric needs COCO's evaluation (pycocotools or faster-coco-eval), and neither is "
+                            f"installed: {deps.INSTALL}")
 
 
 class MapMetric:

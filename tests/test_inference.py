@@ -273,6 +273,33 @@ def test_a_rank_that_fails_inside_predict_makes_every_rank_raise_instead_of_wait
     assert not os.path.exists(tmp_path / "p.csv") and not [f for f in os.listdir(tmp_path) if ".part" in f]
 
 
+def _predict_into(rank, root, outputs):
+    import time
+
+    t = RowTrainer(_cfg(distributed=True, gpu_id=[0, 1]), callbacks=_recorders())
+    begin = time.monotonic()
+    try:
+        t.predict(root, output=outputs[rank], transform=flat16)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}", time.monotonic() - begin
+    return "no error", time.monotonic() - begin
+
+
+@pytest.mark.distributed
+def test_an_output_file_the_main_process_cannot_open_makes_every_rank_raise_at_once(tmp_path):
+    """The file is opened on rank 0 only, before the first round: its failure must reach rank 1
+    as an error naming rank 0, not leave it waiting in the first round's collective until the
+    group's timeout (60 s here)."""
+    root = _images(tmp_path)
+    (tmp_path / "a_file").write_text("not a folder")
+    bad = str(tmp_path / "a_file" / "p.csv")   # its folder is a file: rank 0 cannot create it
+    messages = run_distributed(_predict_into, 2, tmp_path, root, [bad, bad], timeout=150)
+    (m0, s0), (m1, s1) = messages
+    assert "a_file" in m0 and "no error" not in m0
+    assert m1.startswith("RuntimeError: predict() failed on rank 0: ") and "a_file" in m1
+    assert max(s0, s1) < 30, (s0, s1)
+
+
 def _evaluate_sharded_checkpoint(rank, work):
     from fsdp_common import BlockTrainer, fsdp_cfg
 

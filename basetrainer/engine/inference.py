@@ -93,7 +93,14 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     if checkpoint:
         load_checkpoint(engine, checkpoint)
     rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
-    writer = writers.open_writer(output) if output is not None and comm.is_main_process() else None
+    # a failure of one rank before the rounds (the file opened on the main process only, a rank's
+    # workers not starting) is agreed in the first round, as a batch's: no other rank waits for it
+    writer, error = None, None
+    if output is not None and comm.is_main_process():
+        try:
+            writer = writers.open_writer(output)
+        except Exception as e:
+            error = e
     if writer is not None and names is not None:
         writer = _WithIds(writer, names)
     collector = ordered.OrderedCollector(dst=0 if output is not None else None, writer=writer)
@@ -103,7 +110,12 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     placeholder, result = None, [None]
     try:
         with torch.no_grad():
-            batches, error = preemption.start(loader), None
+            batches = None
+            if error is None:
+                try:
+                    batches = preemption.start(loader)
+                except Exception as e:
+                    error = e
             for _ in range(rounds):
                 outputs = None
                 if error is None:

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from combos import HERE, ROOT, SIZES, Combo, ComboData, ComboTrainer, config_of, train
+from combos import HERE, ROOT, SIZES, STACKS_AFTER_S, Combo, ComboData, ComboTrainer, config_of, train
 
 #: fp32: DDP/FSDP and one process differ only in the order of the gradient sums
 FP32 = 1e-5
@@ -111,6 +111,21 @@ def result_of(root: str, combo: Combo, stage: str, rank: int = 0) -> Optional[Di
     return torch.load(path, weights_only=False) if os.path.isfile(path) else None
 
 
+def ranks_report(root: str, combo: Combo, stage: str) -> str:
+    """What each rank of ``combo``'s job left: its error, and its stacks if it ran past
+    combos.STACKS_AFTER_S (a rank that hung is often not the one whose error comes first)."""
+    parts = []
+    for rank in range(combo.world):
+        result = result_of(root, combo, stage, rank)
+        if result is not None and "error" in result:
+            parts.append(f"rank {rank} failed:\n{result['error'][-2000:]}")
+        path = os.path.join(root, combo.cid, f"{stage}-rank{rank}.stacks.txt")
+        if os.path.isfile(path) and os.path.getsize(path):
+            with open(path) as f:
+                parts.append(f"rank {rank} was still running after {STACKS_AFTER_S} s:\n{f.read()[-4000:]}")
+    return "\n".join(parts)
+
+
 def run_group(combos: Sequence[Combo], root: str, seed: int) -> Dict[str, str]:
     """Run ``combos`` (one world size) as few jobs as failures allow: a config that fails ends
     its job, is recorded, and the job is started again with the configs after it."""
@@ -128,13 +143,14 @@ def run_group(combos: Sequence[Combo], root: str, seed: int) -> Dict[str, str]:
                     left = todo[i:]
                 break
             if "error" in result:
-                errors[combo.cid] = result["error"]
+                errors[combo.cid] = f"{result['error']}\n{ranks_report(root, combo, 'run')}"
                 left = todo[i + 1:]
                 break
         else:
             left = []
         if left and left[0].cid not in errors and result_of(root, left[0], "run") is None and done.returncode != 0:
-            errors[left[0].cid] = f"job failed (exit {done.returncode}) before a result:\n{done.stderr[-3000:]}"
+            errors[left[0].cid] = (f"job failed (exit {done.returncode}) before a result:\n{done.stderr[-3000:]}\n"
+                                   f"{ranks_report(root, left[0], 'run')}")
             left = left[1:]
         todo = left
     return errors

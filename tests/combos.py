@@ -10,6 +10,7 @@ Factors and their levels are :data:`FACTORS`. A combination the project refuses 
 (:data:`REFUSED`) is never generated as a run; a config of its own checks the refusal instead.
 """
 import argparse
+import faulthandler
 import itertools
 import json
 import os
@@ -61,6 +62,7 @@ COST = {("compile", True): 3.0, ("resume", "kill"): 1.0, ("strategy", "ddp3"): 0
 
 WORLD = {"one": 1, "ddp2": 2, "ddp3": 3, "fsdp2": 2}
 BATCH, EPOCHS, KILL_AT = 12, 2, (1, 3)    # global batch; epochs; SIGKILL after this (epoch, step)
+STACKS_AFTER_S = 90   # a config's rank still running after this long dumps its stacks (one takes ~5-30 s)
 SIZES = {("even", "train"): 72, ("uneven", "train"): 77, ("even", "test"): 24, ("uneven", "test"): 29}
 CLASSES, SHARES = 4, (0.4, 0.3, 0.2, 0.1)  # imbalanced, so that balance: sqrt changes the epochs
 
@@ -381,14 +383,20 @@ def _rank_main(combos: List[Combo], root: str, stage: str) -> None:
         folder = os.path.join(root, combo.cid)
         os.makedirs(folder, exist_ok=True)
         out = os.path.join(folder, f"{stage}-rank{comm.get_rank()}.pt")
-        try:
-            result = train(combo, os.path.join(folder, stage if stage == "run" else "killed"),
-                           resume="auto" if stage == "resume" else "", kill=stage == "kill")
-        except BaseException:
-            torch.save({"error": traceback.format_exc()}, out)
-            sys.stderr.write(f"{combo.cid} failed on rank {comm.get_rank()}:\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            os._exit(1)
+        # a rank still in this config after STACKS_AFTER_S writes where it is (every thread), so a
+        # config that hangs or times out says where each rank was (combo_checks reads the files)
+        with open(os.path.join(folder, f"{stage}-rank{comm.get_rank()}.stacks.txt"), "w") as stacks:
+            faulthandler.dump_traceback_later(STACKS_AFTER_S, file=stacks)
+            try:
+                result = train(combo, os.path.join(folder, stage if stage == "run" else "killed"),
+                               resume="auto" if stage == "resume" else "", kill=stage == "kill")
+            except BaseException:
+                torch.save({"error": traceback.format_exc()}, out)
+                sys.stderr.write(f"{combo.cid} failed on rank {comm.get_rank()}:\n{traceback.format_exc()}")
+                sys.stderr.flush()
+                os._exit(1)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         torch.save(result, out)
 
 

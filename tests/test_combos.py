@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from combo_checks import check, run_all
+from combo_checks import check, ranks_report, run_all
 from combos import FACTORS, REFUSED, coverage, generate
 
 SEED = int(os.environ.get("BASETRAINER_COMBO_SEED", "0"))
@@ -27,6 +27,25 @@ def test_the_set_covers_every_pair_and_the_core():
             assert {c.precision for c in same} == {"fp32", "bf16"}, (strategy, model)
     assert len([c for c in COMBOS if c.refusal()]) == len(REFUSED)
     assert [c.levels() for c in generate(SEED)] == [c.levels() for c in COMBOS]   # deterministic
+
+
+def test_a_failed_config_reports_every_ranks_error_and_the_stacks_of_a_rank_that_ran_on(tmp_path):
+    """The job's stderr ends with the last rank's traceback; the rank that hung (and made the
+    others time out) is named only by what each rank left (combos._rank_main)."""
+    import torch
+
+    combo = next(c for c in COMBOS if c.world == 3)
+    folder = tmp_path / combo.cid
+    folder.mkdir()
+    torch.save({"error": "RuntimeError: Timed out waiting 120000ms (rank 0)"}, folder / "run-rank0.pt")
+    torch.save({"error": "RuntimeError: Timed out waiting 120000ms (rank 1)"}, folder / "run-rank1.pt")
+    (folder / "run-rank0.stacks.txt").write_text("")
+    (folder / "run-rank2.stacks.txt").write_text('File "loader.py", line 7 in __next__\n')
+    report = ranks_report(str(tmp_path), combo, "run")
+    assert "rank 0 failed:\nRuntimeError: Timed out waiting 120000ms (rank 0)" in report
+    assert "rank 1 failed:\nRuntimeError: Timed out waiting 120000ms (rank 1)" in report
+    assert 'rank 2 was still running after 90 s:\nFile "loader.py", line 7 in __next__' in report
+    assert "rank 0 was still running" not in report   # an empty file: it finished in time
 
 
 @pytest.fixture(scope="module")

@@ -100,3 +100,13 @@ def test_a_library_exit_in_a_call_is_its_error_not_the_callers_exit():
     worker = Worker("w", deadline=5)
     with pytest.raises(RuntimeError, match="SystemExit: 3"):
         worker.call("start", lambda: sys.exit(3))
+
+
+def test_closing_an_idle_worker_ends_its_thread_before_close_returns():
+    """No thread may be ending when the program next forks (a DataLoader starting its workers):
+    on CPython < 3.11.10 the child can inherit a lock the ending thread holds (gh-112275)."""
+    for _ in range(20):
+        worker = Worker("idle", deadline=5)
+        assert worker.call("a quick call", lambda: 7) == 7
+        worker.close()
+        assert not [t for t in threading.enumerate() if t.name == "idle"]

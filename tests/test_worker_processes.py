@@ -206,3 +206,51 @@ def test_workers_a_callback_starts_in_on_train_end_are_ended_too(tmp_path):
     assert final.batches == 4
     started = [int(p) for p in os.listdir(pids)]
     assert len(started) == 2 and [p for p in started if _alive(p)] == []
+
+
+_FORK_CHECK = textwrap.dedent('''
+    import os, sys, threading, time
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from basetrainer.engine import preemption
+
+    seen = []      # at each fork: the earlier iterators' feeder threads still alive
+    earlier = []   # those threads (the synthetic one, then the real DataLoader's)
+    os.register_at_fork(before=lambda: seen.append(sum(t.is_alive() for t in earlier)))
+
+    class Ending:
+        """An iterable whose iterator's feeder thread ends 0.5 s after it runs out, as a
+        DataLoader iterator's feeders end after it has shut its workers down."""
+        def __iter__(self):   # the thread starts with the iterator, as a DataLoader's feeders do
+            done = threading.Event()
+            feeder = threading.Thread(target=lambda: (done.wait(), time.sleep(0.5)), name="QueueFeederThread",
+                                      daemon=True)
+            feeder.start()
+            earlier.append(feeder)
+
+            def batches():
+                yield from range(3)
+                done.set()
+            return batches()
+
+    data = TensorDataset(torch.arange(24.0))
+    for batch in preemption.start(Ending()):
+        pass
+    for batch in preemption.start(DataLoader(data, batch_size=4, num_workers=2)):
+        pass
+    earlier.extend(t for t in threading.enumerate() if t.name == "QueueFeederThread" and t not in earlier)
+    for batch in preemption.start(DataLoader(data, batch_size=4, num_workers=2)):
+        pass
+    print(seen)
+''')
+
+
+def test_workers_are_not_forked_while_an_earlier_loaders_feeder_threads_end():
+    """A thread ending while os.fork runs can leave the forked worker deadlocked at birth
+    (CPython < 3.11.10, gh-112275; seen as predict()'s worker stuck in os.fork after evaluate()):
+    start() joins the earlier iterators' feeder threads before the next loader forks."""
+    out = subprocess.run([PY, "-c", _FORK_CHECK], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    # two forks for the first DataLoader (after the synthetic iterator), two for the second
+    assert out.stdout.split("\n")[-2] == "[0, 0, 0, 0]", out.stdout

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
@@ -102,6 +102,10 @@ def start(loader: Any) -> Iterator[Any]:
     worker begins with them blocked, so every thread it ever runs has them blocked too and only
     its watcher (:func:`shield_worker`) receives them. A signal arriving meanwhile is delivered
     to this process right after."""
+    forks = bool(getattr(loader, "num_workers", 0)) or not isinstance(loader, DataLoader)
+    if forks:
+        settle_threads()
+    before = set(threading.enumerate()) if forks else set()
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         it = iter(loader)
     else:
@@ -111,12 +115,44 @@ def start(loader: Any) -> Iterator[Any]:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     # kept for end_workers (weakly: a finished loop frees it); a DataLoader without workers has none
-    if getattr(loader, "num_workers", 0) or not isinstance(loader, DataLoader):
+    if forks:
         try:
-            _started[id(loader)] = weakref.ref(it)
+            ref = weakref.ref(it)
         except TypeError:   # an iterator that cannot be referred to weakly (a list's) has no workers
-            pass
+            return it
+        _started[id(loader)] = ref
+        feeders = [t for t in threading.enumerate() if t not in before and t.name == FEEDER]
+        if feeders:
+            persistent = getattr(loader, "persistent_workers", False) or getattr(it, "_persistent_workers", False)
+            _threads.append((ref, bool(persistent), feeders))
     return it
+
+
+# The threads that feed the worker processes of the iterators start() made (one per worker's
+# queue, named by multiprocessing), joined before the next iterator forks its workers.
+# A thread that is ending while os.fork runs can leave the forked worker deadlocked at birth for
+# ever: CPython before 3.11.10 and 3.12.1 (gh-112275; Python 3.11.7 here) lets the child inherit
+# the interpreter's thread-list lock that the ending thread holds. An iterator's feeder threads
+# end when its workers are shut down (the loop ran out of batches, or end_workers) — just when
+# the next loop forks its own (seen twice: predict()'s worker stuck in os.fork after evaluate()).
+FEEDER = "QueueFeederThread"
+SETTLE_S = 2.0   # at most this long in all, for the threads of an iterator still in use elsewhere
+_threads: List[Tuple[Any, bool, List[threading.Thread]]] = []
+
+
+def settle_threads(timeout: float = SETTLE_S) -> None:
+    """Join the feeder threads of the iterators :func:`start` made that are done with them: every
+    iterator but a persistent-workers one still alive (its DataLoader reuses it, and its threads
+    live on); at most ``timeout`` seconds in all (an iterator still being read elsewhere)."""
+    deadline = time.monotonic() + timeout
+    keep = []
+    for ref, persistent, threads in _threads:
+        if persistent and ref() is not None:
+            keep.append((ref, persistent, threads))
+            continue
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    _threads[:] = keep
 
 
 # id(loader) -> its last iterator with workers, for end_workers (not kept on the loader, which
@@ -160,6 +196,8 @@ def _stop_workers(loader: Any, last: Any) -> None:
             it._shutdown_workers()
         except Exception as e:  # torch's shutdown is not meant to raise
             logger.warning("stopping the DataLoader workers failed: %s", e)
+        # its feeder threads are ending now: joined before the next fork, persistent or not
+        _threads[:] = [(ref, persistent and ref() is not it, threads) for ref, persistent, threads in _threads]
     if own is not None:
         loader._iterator = None   # the next epoch (a later run()) starts new workers
 

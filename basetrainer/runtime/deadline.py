@@ -104,10 +104,15 @@ class Worker:
         self._submit(what, fn, posted=True)
 
     def close(self) -> None:
-        """The thread ends after the calls queued (it does not wait for them)."""
+        """The thread ends after the calls queued (it does not wait for them; an idle worker's
+        thread is joined, so that no thread is ending when the program next forks: a fork at that
+        moment can leave the child deadlocked on CPython < 3.11.10, gh-112275)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            idle = self._running is None and not self._pending
+        if idle and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
     # ------------------------------------------------------------------ inside
     def _submit(self, what: str, fn: Callable[[], Any], posted: bool) -> _Call:

@@ -171,3 +171,12 @@ def test_progress_is_printed_without_any_logging_setup(tmp_path):
     assert [float(loss) for _, loss in done] == pytest.approx(losses, rel=1e-5)
     steps = re.findall(r"epoch \d/2 step (\d)/4 ", proc.stdout)
     assert steps == ["2", "4", "2", "4"], proc.stdout   # and a line every log_freq steps
+
+
+def test_a_run_without_recorders_or_schedule_ends_without_a_png(tmp_path):
+    """No figure to draw (only epoch_time and the data-stall meter): before, matplotlib raised
+    "Number of columns must be a positive integer, not 0" from on_train_end."""
+    log_dir = tmp_path / "log"
+    t = ToyTrainer(toy_cfg(n_train=32, num_epochs=1), callbacks=[LogHistory(log_dir=str(log_dir))])
+    t.run()
+    assert os.path.isfile(log_dir / "history.csv") and not os.path.exists(log_dir / "history.png")

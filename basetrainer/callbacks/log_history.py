@@ -338,6 +338,8 @@ class LogHistory(Callback):
                   "metrics": [k for k in keys if "loss" not in k.lower()],
                   "lr": ["lr"] if "lr" in self.rows[-1] else []}
         groups = {k: v for k, v in groups.items() if v}
+        if not groups:   # no recorder and no LR schedule: no curve to draw
+            return None
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
         for ax, (title, names) in zip(axes[0], groups.items()):
             for name in names:

@@ -61,12 +61,13 @@ def test_history_csv_equals_history(logged):
         rows = list(csv.DictReader(f))
     assert len(rows) == EPOCHS
     assert set(rows[0]) == {"epoch", "lr", "train/loss", "train/Accuracy", "test/loss", "test/Accuracy",
-                            "epoch_time"}
+                            "epoch_time", "data_wait", "data_wait_mean", "data_wait_rank"}   # timings: not in History
     for row, expected in zip(rows, history.epochs):
         assert int(row["epoch"]) == expected["epoch"]
         for key, value in expected.items():
             assert float(row[key]) == value, key   # written with repr: exact round trip
         assert float(row["epoch_time"]) > 0
+        assert 0 <= float(row["data_wait"]) <= 1 and row["data_wait_rank"] == "0"   # tests/test_data_stall.py
 
 
 def test_history_png_written(logged):

@@ -242,7 +242,8 @@ def validate(cfg: Any) -> None:
                          f"seconds (default 60); to go without a tracker, remove it from loggers")
     if "data_wait_warn" in cfg and not 0 <= cfg["data_wait_warn"] <= 1:   # NaN too
         raise ConfigError(f"config key 'data_wait_warn' = {cfg['data_wait_warn']!r} must be a share between 0 and 1 "
-                          f"(default 0.3: advice when a rank waits for data over 30 % of an epoch's training; 0: never)")
+                          f"(default 0.3: advice when a rank waits for data over 30 % of an epoch's training; "
+                          f"0: never)")
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"

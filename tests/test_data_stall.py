@@ -181,6 +181,7 @@ def _slow_rank_main(cfg):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow   # 2 s of training; starting 2 ranks that import torch: 20-40 s on 2 busy cores
 def test_a_loader_slowed_on_one_rank_is_reported_for_that_rank(tmp_path, capfd):
     from basetrainer.engine.launch import launch
 

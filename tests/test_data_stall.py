@@ -100,10 +100,10 @@ def _csv(path):
 def test_one_process_reports_the_wait_in_history_csv_tensorboard_and_the_epoch_line(tmp_path, lines):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    data = SlowData(blobs(64, seed=0), sleep=0.005)   # 16 items a step: 80 ms of loading, 40 ms of compute
+    data = SlowData(blobs(64, seed=0), sleep=0.01)   # 16 items a step: 160 ms of loading, 40 ms of compute
     clock = Clock(data)
     log_dir = tmp_path / "log"
-    t = ToyTrainer(toy_cfg(num_epochs=2, n_train=64, work_dir=str(tmp_path)), model=SlowNet(0.04),
+    t = ToyTrainer(toy_cfg(num_epochs=2, n_train=64, work_dir=str(tmp_path), data_wait_warn=0.1), model=SlowNet(0.04),
                    callbacks=[clock, LogHistory(log_dir=str(log_dir), log_freq=100,
                                                 logger=logging.getLogger("basetrainer.test_data_stall"))])
     t.train_loader = t.build_dataloader(data, 16, 0, phase="train")
@@ -113,7 +113,7 @@ def test_one_process_reports_the_wait_in_history_csv_tensorboard_and_the_epoch_l
     assert list(rows[0]) == ["epoch", "epoch_time", "data_wait", "data_wait_mean", "data_wait_rank"]
     assert len(rows) == 2 == len(clock.own)
     for row, own in zip(rows, clock.own):
-        assert 0.4 < own < 0.9, own                                       # the set-up did what it should
+        assert 0.2 < own < 0.95, own                                      # the set-up did what it should
         assert abs(float(row["data_wait"]) - own) <= TOLERANCE, (row, own)
         assert float(row["data_wait_mean"]) == float(row["data_wait"]) and row["data_wait_rank"] == "0"
     assert t.data_wait.shares == [float(rows[1]["data_wait"])]             # the trainer's meter, every rank's share
@@ -125,7 +125,7 @@ def test_one_process_reports_the_wait_in_history_csv_tensorboard_and_the_epoch_l
     assert len(done) == 2
     for line, row in zip(done, rows):
         assert line.endswith(f" | data wait {float(row['data_wait']):.0%}"), line
-    advice = [line for line in lines if "for data" in line]                # above the default 30 %: once an epoch
+    advice = [line for line in lines if "for data" in line]                # above data_wait_warn: once an epoch
     assert [re.match(r"rank 0 waited (\d+) % of epoch (\d)'s training for data: raise num_workers \(now 0\) "
                      r"or make the dataset's __getitem__ cheaper", a).group(2) for a in advice] == ["0", "1"], advice
 
@@ -136,10 +136,13 @@ def test_the_advice_follows_data_wait_warn(tmp_path, lines):
     t.train_loader = t.build_dataloader(data, 16, 0, phase="train")
     t.run()
     assert t.data_wait.shares[0] > 0.3 and not [line for line in lines if "for data" in line]   # 0: never
-    t.data_wait_warn = 0.99
-    t.num_epochs = 2
+    t.data_wait_warn, t.num_epochs = 0.99, 2
     t.run()
     assert t.data_wait.epoch == 1 and not [line for line in lines if "for data" in line]
+    t.data_wait_warn, t.num_epochs = 0.05, 3   # and below the share: one line, this epoch's
+    t.run()
+    assert [line.split(" for data")[0] for line in lines if "for data" in line] == [
+        f"rank 0 waited {t.data_wait.shares[0]:.0%} of epoch 2's training".replace("%", " %")], lines
 
 
 def test_data_wait_warn_is_a_config_key_with_a_default_and_refuses_a_bad_value():
@@ -187,7 +190,8 @@ def test_a_loader_slowed_on_one_rank_is_reported_for_that_rank(tmp_path, capfd):
 
     work = tmp_path / "work"
     os.makedirs(work)
-    cfg = toy_cfg(num_epochs=2, batch_size=16, n_train=64, distributed=True, gpu_id=[0, 1], work_dir=str(work))
+    cfg = toy_cfg(num_epochs=2, batch_size=16, n_train=64, distributed=True, gpu_id=[0, 1], work_dir=str(work),
+                  data_wait_warn=0.15)   # rank 1's share, whatever the machine's load; not rank 0's (< 0.1)
     launch(_slow_rank_main, num_gpus_per_machine=2, dist_url="auto", distributed=True, args=(cfg,), timeout=60)
     out = "".join(capfd.readouterr())
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -195,7 +199,7 @@ def test_a_loader_slowed_on_one_rank_is_reported_for_that_rank(tmp_path, capfd):
     meter, slow, fast = ranks[0]["meter"], ranks[1]["own"], ranks[0]["own"]
     assert len(meter) == len(slow) == 2
     for epoch, shares in enumerate(meter):
-        assert 0.4 < slow[epoch] < 0.85, slow                        # the set-up did what it should
+        assert 0.2 < slow[epoch] < 0.9, slow                         # the set-up did what it should
         assert abs(shares[1] - slow[epoch]) <= TOLERANCE, (epoch, shares, slow)
         assert abs(shares[0] - fast[epoch]) <= TOLERANCE and shares[0] < 0.1, (epoch, shares, fast)
     with capfd.disabled():

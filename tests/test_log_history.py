@@ -61,12 +61,13 @@ def test_history_csv_equals_history(logged):
         rows = list(csv.DictReader(f))
     assert len(rows) == EPOCHS
     assert set(rows[0]) == {"epoch", "lr", "train/loss", "train/Accuracy", "test/loss", "test/Accuracy",
-                            "epoch_time"}
+                            "epoch_time", "data_wait", "data_wait_mean", "data_wait_rank"}   # timings: not in History
     for row, expected in zip(rows, history.epochs):
         assert int(row["epoch"]) == expected["epoch"]
         for key, value in expected.items():
             assert float(row[key]) == value, key   # written with repr: exact round trip
         assert float(row["epoch_time"]) > 0
+        assert 0 <= float(row["data_wait"]) <= 1 and row["data_wait_rank"] == "0"   # tests/test_data_stall.py
 
 
 def test_history_png_written(logged):
@@ -171,3 +172,12 @@ def test_progress_is_printed_without_any_logging_setup(tmp_path):
     assert [float(loss) for _, loss in done] == pytest.approx(losses, rel=1e-5)
     steps = re.findall(r"epoch \d/2 step (\d)/4 ", proc.stdout)
     assert steps == ["2", "4", "2", "4"], proc.stdout   # and a line every log_freq steps
+
+
+def test_a_run_without_recorders_or_schedule_ends_without_a_png(tmp_path):
+    """No figure to draw (only epoch_time and the data-stall meter): before, matplotlib raised
+    "Number of columns must be a positive integer, not 0" from on_train_end."""
+    log_dir = tmp_path / "log"
+    t = ToyTrainer(toy_cfg(n_train=32, num_epochs=1), callbacks=[LogHistory(log_dir=str(log_dir))])
+    t.run()
+    assert os.path.isfile(log_dir / "history.csv") and not os.path.exists(log_dir / "history.png")

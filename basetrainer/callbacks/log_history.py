@@ -27,7 +27,12 @@ class LogHistory(Callback):
       samples/s and ETA; the same figures as TensorBoard scalars ``train_step/<name>``;
     - at each epoch end one line with every figure, TensorBoard scalars under their ``logs``
       keys (``train/loss``, ``test/Accuracy``, ``lr``, x = epoch), and a row of
-      ``<log_dir>/history.csv``;
+      ``<log_dir>/history.csv``; besides the ``logs`` figures the row holds ``epoch_time``
+      (seconds) and the data-stall meter of the epoch's training
+      (:mod:`basetrainer.engine.data_wait`): ``data_wait``, the largest share of the train phase
+      a rank spent waiting for its loader, ``data_wait_mean`` (over the ranks) and
+      ``data_wait_rank`` (the rank of the largest); the line ends ``| data wait 21% (max rank
+      1: 41%)``. Being timings, they are not in ``logs`` nor in ``run()``'s History;
     - at train end ``<log_dir>/history.png`` (loss, accuracy and LR curves) when matplotlib
       is installed.
 
@@ -276,9 +281,14 @@ class LogHistory(Callback):
         row: Dict[str, Any] = {"epoch": epoch}
         row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         row["epoch_time"] = seconds
+        meter = getattr(self.trainer, "data_wait", None)   # the engine's data-stall meter of this epoch's training
+        waits = meter.figures() if meter is not None and meter.epoch == epoch else {}
+        row.update(waits)
         self.rows.append(row)
         text = " ".join(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}"
-                        for k, v in row.items() if k != "epoch")
+                        for k, v in row.items() if k != "epoch" and k not in waits)
+        if waits:
+            text += f" | {meter.text()}"
         self.logger.info("epoch %d/%d done: %s", epoch, self.trainer.num_epochs if self.trainer else -1, text)
         if self.writer is not None:
             for key, value in row.items():
@@ -328,6 +338,8 @@ class LogHistory(Callback):
                   "metrics": [k for k in keys if "loss" not in k.lower()],
                   "lr": ["lr"] if "lr" in self.rows[-1] else []}
         groups = {k: v for k, v in groups.items() if v}
+        if not groups:   # no recorder and no LR schedule: no curve to draw
+            return None
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
         for ax, (title, names) in zip(axes[0], groups.items()):
             for name in names:

@@ -5,6 +5,7 @@ order of the events is written once, in :class:`~basetrainer.callbacks.callbacks
 """
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from basetrainer.callbacks.callbacks import Callback, CallbackList
 from basetrainer.dataloader import loader as loaders
-from basetrainer.engine import precision
+from basetrainer.engine import data_wait, precision
 from basetrainer.engine.checkpointer import Checkpointer, delegated
 from basetrainer.engine.checks import check_ready
 from basetrainer.engine.guard import NonFiniteGuard, total_loss
@@ -70,6 +71,8 @@ class Engine:
         self._updated = True            # the last step ended its accumulation window
         self._compile_checked = True
         self._buffer_sync: Optional[Callable[[], None]] = None   # ddp/fsdp: rank 0's buffers to all, each step
+        self.data_wait_warn = 0.3       # rank 0 advises when a rank waits for data longer than this share (0: never)
+        self.data_wait: Optional[data_wait.DataWait] = None   # the last train phase's data-stall meter, every rank's
 
     # ----------------------------------------------------------------------------- checkpoints
     # where the run is and its checkpoints: self.checkpointer's (checkpointer.py), by the names callbacks use
@@ -171,8 +174,11 @@ class Engine:
         self._steps = EpochSteps(self.train_loader, self.accumulate_steps, self.loss_reduction)
         self._steps_in_epoch = self._steps.steps
         ckpt = self.checkpointer
+        clock, waited = time.perf_counter, 0.0   # the data-stall meter: seconds inside the loader (data_wait.py)
+        began = mark = clock()
         start, batches = ckpt.enter_train(self.train_loader, preemption.start)   # a resume: after the stop
         for batch, data in enumerate(batches, start=start):
+            waited += clock() - mark   # in next() since the last step's end (opening the loader, for the first)
             self.dispatch("on_batch_prepare", epoch, batch, logs)
             self.dispatch("on_batch_begin", batch, logs)
             data = self.to_device(data)
@@ -187,7 +193,11 @@ class Engine:
                 self.save_checkpoint(background=ckpt.deferred)
             if self._preemption.stop_agreed(check) and self._updated:   # a signal: stop at a window's end
                 self.preempt(f"epoch {epoch}, step {batch + 1}")
+            mark = clock()
+        waited += clock() - mark       # the next() that ended the loop
+        seconds = clock() - began
         self._guard.check(epoch)
+        self.data_wait = data_wait.gather(epoch, waited, seconds, self.train_loader, self.data_wait_warn)
 
     def train_step(self, data: Any, batch: int) -> Tuple[Any, Any]:
         """Forward, backward (the loss weighted by this rank's share of the window's samples,

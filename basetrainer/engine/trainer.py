@@ -74,6 +74,7 @@ class EngineTrainer(Engine):
                              f"the mean loss over its batch, the default) or 'sum' (the sum over its samples)")
         self.loss_reduction = cfg.loss_reduction
         self.clip_grad_norm = cfg.clip_grad_norm or None
+        self.data_wait_warn = float(cfg.data_wait_warn)
         self.channels_last = bool(cfg.channels_last)
         self._compile_checked = not cfg.compile
         self._model_build: Optional[fsdp_build.BuildAttempt] = None   # while build_model runs (fsdp: for shard)

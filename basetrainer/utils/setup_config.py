@@ -125,6 +125,8 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "tracker_deadline": (60.0, "number", "seconds one call to a tracker (MLflow, W&B: starting the run, a log, an "
                                          "upload, ending the run) may take before it is turned off with one "
                                          "warning; training goes on"),
+    "data_wait_warn": (0.3, "number", "a share of an epoch's training (0.3 = 30 %): when a rank waited for its "
+                                      "train loader longer, rank 0 logs one line of advice naming it; 0 = never"),
     "schedule_on_resume": ("stretch", "str", "a resume that changes num_epochs: stretch (the LR schedule is "
                                              "recomputed for the new num_epochs and goes on from the step reached) "
                                              "or restart (a new schedule, warm-up included, over the epochs left)"),
@@ -238,6 +240,10 @@ def validate(cfg: Any) -> None:
     if "tracker_deadline" in cfg and not 0 < cfg["tracker_deadline"] < math.inf:
         raise ConfigError(f"config key 'tracker_deadline' = {cfg['tracker_deadline']!r} must be a positive number of "
                          f"seconds (default 60); to go without a tracker, remove it from loggers")
+    if "data_wait_warn" in cfg and not 0 <= cfg["data_wait_warn"] <= 1:   # NaN too
+        raise ConfigError(f"config key 'data_wait_warn' = {cfg['data_wait_warn']!r} must be a share between 0 and 1 "
+                          f"(default 0.3: advice when a rank waits for data over 30 % of an epoch's training; "
+                          f"0: never)")
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"

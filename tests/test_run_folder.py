@@ -12,6 +12,7 @@ import torch
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.callbacks.losses_recorder import LossesRecorder
 from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+from basetrainer.runtime.errors import UsageError
 
 from conftest import Recorder, StopAt, TinyNet, ToyTrainer, toy_cfg, weight_diff
 
@@ -604,6 +605,7 @@ def test_a_run_still_training_elsewhere_is_never_joined_nor_moved(tmp_path, how)
         with pytest.raises(RuntimeError) as err:   # once: accepted, and the two runs mixed their files
             run(work, epochs=2, lr=0.05, **how)     # (overwrite moved A's live folder aside first)
         assert f"process {proc.pid}" in str(err.value) and "still training" in str(err.value)
+        assert isinstance(err.value, UsageError)   # a command prints it as one line, exit 2
         assert digests(work) == before
         assert sorted(os.listdir(tmp_path)) == ["a.py", "work"]   # nothing moved aside
         go.touch()

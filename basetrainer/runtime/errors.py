@@ -50,6 +50,10 @@ class WorkDirError(UsageError, FileExistsError):
     """A new run in a ``work_dir`` that holds another run's files."""
 
 
+class RunBusyError(UsageError, RuntimeError):
+    """A ``work_dir`` whose run is still training (another process on this machine)."""
+
+
 class MissingExtraError(UsageError, ImportError):
     """An optional package is not installed; the message names the pip command (once)."""
 

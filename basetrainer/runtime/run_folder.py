@@ -13,7 +13,7 @@ import uuid
 from typing import Iterable, List, Optional
 
 from basetrainer.runtime import atomic, processes
-from basetrainer.runtime.errors import ConfigError, WorkDirError
+from basetrainer.runtime.errors import ConfigError, RunBusyError, WorkDirError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def write_marker(folder: str, run_id: str) -> None:
     before either wrote, and both trained into the folder.
 
     Raises:
-        RuntimeError: another process's run marked ``folder`` and is still training.
+        RunBusyError (a RuntimeError): another process's run marked ``folder`` and is still training.
     """
     pid = os.getpid()
     text = json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": pid,
@@ -98,11 +98,11 @@ def check_not_running(folder: Optional[str]) -> None:
     """Refuse to start in ``folder`` while the run that marked it is still training.
 
     Raises:
-        RuntimeError: naming the run, its process and what to do.
+        RunBusyError (a RuntimeError): naming the run, its process and what to do.
     """
     marker = read_marker(folder)
     if running_elsewhere(marker):
-        raise RuntimeError(
+        raise RunBusyError(
             f"{folder} belongs to run {marker.get('run_id')}, which is still training (process {marker['pid']} on "
             f"this machine, started {marker.get('started')}); two runs in one folder would overwrite each other's "
             f"checkpoints. Wait for it to end (or stop it: kill -TERM {marker['pid']} saves a checkpoint), then "

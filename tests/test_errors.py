@@ -21,7 +21,8 @@ COMMON = ["--input_size", "32", "32", "--batch_size", "8", "--gpu_id", "--no-pro
 @pytest.mark.parametrize("kind, builtin", [(errors.ConfigError, ValueError), (errors.ConfigTypeError, TypeError),
                                            (errors.PathError, FileNotFoundError),
                                            (errors.WorkDirError, FileExistsError),
-                                           (errors.MissingExtraError, ImportError)])
+                                           (errors.MissingExtraError, ImportError),
+                                           (errors.FolderError, OSError), (errors.RunBusyError, RuntimeError)])
 def test_each_kind_is_also_the_builtin_type_callers_catch(kind, builtin):
     with pytest.raises(builtin, match="^the message$") as info:
         raise kind("the message")
@@ -69,6 +70,23 @@ def test_the_library_raises_user_errors_of_the_right_kind(tmp_path):
         build_models.get_models("resnet_18", [32, 32], 3)
 
 
+def test_a_work_dir_that_cannot_be_made_or_written_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from basetrainer.runtime import run_folder
+
+    (tmp_path / "a_file").write_text("not a folder")
+    bad = str(tmp_path / "a_file" / "run" / "w")
+    with pytest.raises(errors.FolderError) as info:
+        run_folder.check_writable(bad)
+    assert str(info.value) == (f"work_dir={bad!r} cannot be made: {tmp_path / 'a_file'} is a file, not a folder; "
+                               f"give work_dir a folder path")
+    run_folder.check_writable(str(tmp_path / "new" / "w"))   # a folder that can be made: fine
+    assert not (tmp_path / "new").exists()                    # and nothing made by the check
+    monkeypatch.setattr(os, "access", lambda path, mode: False)   # a read-only disk (root may write anywhere else)
+    with pytest.raises(errors.FolderError, match=f"^work_dir='{tmp_path}/new/w' cannot be written: {tmp_path} is "
+                                                 f"read-only for this user"):
+        run_folder.check_writable(str(tmp_path / "new" / "w"))
+
+
 def test_a_missing_extra_names_its_pip_command_once(monkeypatch, tmp_path):
     from basetrainer.deploy.export import export_model
 
@@ -103,6 +121,7 @@ def commands(tmp_path_factory):
     used = root / "used"
     (used / "model").mkdir(parents=True)
     (used / "model" / "last.pth").write_bytes(b"")   # another run's checkpoint: a new run there is refused
+    (root / "a_file").write_text("not a folder")
     config = root / "bad.yaml"
     config.write_text("lr: fast\n")
     data = ["--train_data", train]
@@ -111,6 +130,7 @@ def commands(tmp_path_factory):
         "work_dir_ddp": (data + ["--work_dir", str(used), "--distributed"] + COMMON + ["--gpu_id", "0", "1"], {}, ""),
         "traceback": (data + ["--work_dir", str(used)] + COMMON, {errors.TRACEBACK_ENV: "1"}, ""),
         "data": (["--train_data", str(root / "no_such_folder"), "--work_dir", str(root / "w1")] + COMMON, {}, ""),
+        "folder": (data + ["--work_dir", str(root / "a_file" / "w")] + COMMON, {}, ""),
         "flag": (data + ["--work_dir", str(root / "w2")] + COMMON + ["--batch_size", "0"], {}, ""),
         "yaml": (data + ["--work_dir", str(root / "w3"), "-c", str(config)] + COMMON, {}, ""),
         "extra": (data + ["--work_dir", str(root / "w4"), "--loggers", "mlflow"] + COMMON, {},
@@ -192,3 +212,13 @@ def test_a_missing_extra_is_one_line_with_its_pip_command(commands):
     assert results["extra"][2].splitlines()[0] == line == (
         'error: loggers: mlflow (MLflowLogger) needs the mlflow package, which is not installed: '
         'pip install "basetrainer[mlflow]"')
+
+
+@pytest.mark.distributed
+def test_a_work_dir_under_a_file_is_one_line(commands):
+    root, results = commands
+    line = _one_error(results["folder"])
+    assert results["folder"][2].splitlines()[-1] == line
+    bad = os.path.join(str(root), "a_file", "w")
+    assert line == (f"error: work_dir={bad!r} cannot be made: {os.path.join(str(root), 'a_file')} is a file, "
+                    f"not a folder; give work_dir a folder path")

@@ -91,6 +91,7 @@ def claim_work_dir(cfg: Any) -> None:
     work_dir, resume, overwrite = cfg.get("work_dir"), cfg.get("resume") or "", bool(cfg.get("overwrite"))
 
     def decide() -> Optional[str]:
+        run_folder.check_writable(work_dir)
         atomic.remove_stale_temps(work_dir)
         found = run_folder.find_runs(work_dir)
         continuing = resume == "auto" or (resume and _inside(resume, work_dir))

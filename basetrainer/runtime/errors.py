@@ -50,6 +50,10 @@ class WorkDirError(UsageError, FileExistsError):
     """A new run in a ``work_dir`` that holds another run's files."""
 
 
+class FolderError(UsageError, OSError):
+    """A folder the run writes (``work_dir``) cannot be made or written by this user."""
+
+
 class RunBusyError(UsageError, RuntimeError):
     """A ``work_dir`` whose run is still training (another process on this machine)."""
 

@@ -13,7 +13,7 @@ import uuid
 from typing import Iterable, List, Optional
 
 from basetrainer.runtime import atomic, processes
-from basetrainer.runtime.errors import ConfigError, RunBusyError, WorkDirError
+from basetrainer.runtime.errors import ConfigError, FolderError, RunBusyError, WorkDirError
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,24 @@ def running_elsewhere(marker: Optional[dict]) -> bool:
     if info is not None and info[0] in ("Z", "X"):   # exited, not yet reaped
         return False
     return marker.get("pid_started") is None or info is None or info[2] == marker["pid_started"]
+
+
+def check_writable(folder: str, key: str = "work_dir") -> None:
+    """Refuse, before anything is written, a ``folder`` that cannot be made or written: the
+    nearest part of its path that exists must be a folder this user may write into.
+
+    Raises:
+        FolderError (an OSError): naming ``key``, the path and the part that stops it.
+    """
+    probe = os.path.abspath(folder)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise FolderError(f"{key}={folder!r} cannot be made: {probe} is a file, not a folder; "
+                          f"give {key} a folder path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise FolderError(f"{key}={folder!r} cannot be written: {probe} is read-only for this user "
+                          f"(or on a read-only disk); give {key} a folder you can write")
 
 
 def check_not_running(folder: Optional[str]) -> None:

@@ -187,7 +187,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler", default="cosine")
     parser.add_argument("--milestones", nargs="+", type=int, default=[30, 40])
     parser.add_argument("--num_epochs", type=_at_least(int, "num_epochs", 1), default=50)
-    parser.add_argument("--num_warn_up", type=int, default=0)
+    parser.add_argument("--num_warn_up", type=float, default=0, help="epochs of LR warm-up (a fraction too)")
     parser.add_argument("--num_workers", type=int, default=0)
     parser.add_argument("--num_threads", type=int, default=0,
                         help="torch threads per process (0: torch's choice; DDP on the CPU divides the cores)")
@@ -198,7 +198,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="move an earlier run in work_dir aside")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--distributed", action="store_true", help="one process per gpu_id entry (DDP)")
-    return parser
+    return setup_config.add_engine_flags(parser)   # every other key of the config table: --sync_bn, --ema, ...
 
 
 def parse_config(argv: Any = None) -> Any:

@@ -268,7 +268,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler", default="cosine")
     parser.add_argument("--milestones", nargs="+", type=int, default=[4, 5])
     parser.add_argument("--num_epochs", type=_positive(int, "num_epochs"), default=6)
-    parser.add_argument("--num_warn_up", type=int, default=1)
+    parser.add_argument("--num_warn_up", type=float, default=1, help="epochs of LR warm-up (a fraction too)")
     parser.add_argument("--aux_weight", type=float, default=0.4, help="weight of the auxiliary head's loss (0: none)")
     parser.add_argument("--num_workers", type=int, default=0)
     parser.add_argument("--num_threads", type=int, default=1,
@@ -282,7 +282,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="move an earlier run in work_dir aside")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--distributed", action="store_true", help="one process per gpu_id entry (DDP)")
-    return parser
+    return setup_config.add_engine_flags(parser)   # every other key of the config table: --sync_bn, --ema, ...
 
 
 def parse_config(argv: Any = None) -> Any:

@@ -188,6 +188,25 @@ def test_regression_bad_flags(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script, own", [(REGRESSION, set()), (SEGMENTATION, {"net_type"})],
+                         ids=["regression", "segmentation"])
+def test_every_key_of_the_config_table_is_a_flag_of_the_task_examples(script, own):
+    """As for examples/example.py (issue 35: --sync_bn was YAML-only); ``own``: keys the script
+    declares with its own choices (the U-Nets for net_type)."""
+    from basetrainer.utils import setup_config
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_example import _flag
+
+    module = _load(script)
+    assert "--sync_bn" in module.get_parser().format_help()
+    for key, (default, kind, _) in setup_config.ENGINE_KEYS.items():
+        if key in own:
+            continue
+        argv, expected = _flag(key, kind, default)
+        assert module.parse_config(argv)[key] == expected, (key, argv)
+
+
 def test_shapes_are_seeded_by_sample():
     shapes = _load(SEGMENTATION)
     a = shapes.SyntheticShapes(8, 32, seed=5, split="train")

@@ -1,6 +1,7 @@
 """EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -75,6 +76,8 @@ class EngineTrainer(Engine):
         self.loss_reduction = cfg.loss_reduction
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.channels_last = bool(cfg.channels_last)
+        self.stall_timeout = float(cfg.stall_timeout)   # validated: seconds, 0 = off
+        self.stall_folder = os.path.join(str(cfg.work_dir or ""), "log")
         self._compile_checked = not cfg.compile
         self._model_build: Optional[fsdp_build.BuildAttempt] = None   # while build_model runs (fsdp: for shard)
         self.num_steps = 0      # train batches per epoch (len(train_loader)), not optimizer steps

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from basetrainer.runtime.errors import ConfigError, ConfigTypeError, MissingExtraError, PathError
+from basetrainer.runtime.watchdog import check_timeout
 from basetrainer.utils import typed_flags
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,10 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
     "tracker_deadline": (60.0, "number", "seconds one call to a tracker (MLflow, W&B: starting the run, a log, an "
                                          "upload, ending the run) may take before it is turned off with one "
                                          "warning; training goes on"),
+    "stall_timeout": (1800.0, "number", "seconds a process may go without progress (no train step, test batch or "
+                                        "collective returning) before the job is ended with a report naming each "
+                                        "rank's place and exit status 3; 0 = off. The process group's timeout "
+                                        "is this + 60 s"),
     "schedule_on_resume": ("stretch", "str", "a resume that changes num_epochs: stretch (the LR schedule is "
                                              "recomputed for the new num_epochs and goes on from the step reached) "
                                              "or restart (a new schedule, warm-up included, over the epochs left)"),
@@ -238,6 +243,8 @@ def validate(cfg: Any) -> None:
     if "tracker_deadline" in cfg and not 0 < cfg["tracker_deadline"] < math.inf:
         raise ConfigError(f"config key 'tracker_deadline' = {cfg['tracker_deadline']!r} must be a positive number of "
                          f"seconds (default 60); to go without a tracker, remove it from loggers")
+    if "stall_timeout" in cfg:
+        cfg["stall_timeout"] = check_timeout(cfg["stall_timeout"])
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"

@@ -214,6 +214,8 @@ class EngineTrainer(Engine):
             seed_per_sample = bool(self.cfg.get("seed_per_sample", True))
         if phase == "train":   # class-balanced resampling (the config's balance key; labels= may be given)
             kwargs.setdefault("balance", self.cfg.get("balance"))
+        if num_workers and self.stall_timeout > 0:   # a worker names the samples it loads when the rank stalls
+            kwargs.setdefault("stall_watch", (self.stall_timeout, self.stall_folder, comm.get_rank()))
         return data.build_dataloader(dataset, batch_size, num_workers, phase=phase, shuffle=shuffle,
                                      pin_memory=pin_memory is not False and self.device.type == "cuda",
                                      drop_last=drop_last, distributed=distributed, seed=self.seed,

@@ -26,6 +26,7 @@ _SYSTEM = tuple(sorted({os.path.abspath(p) + os.sep for key in ("stdlib", "plats
                         if (p := sysconfig.get_paths().get(key))}))
 _C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 _DATA = os.sep + os.path.join("torch", "utils", "data") + os.sep
+_AUTOGRAD = os.sep + os.path.join("torch", "autograd") + os.sep
 
 
 def _frame(entry: Optional[Tuple[str, int, str]]) -> Optional[Dict[str, Any]]:
@@ -58,6 +59,7 @@ def summarize(thread: Optional[int], rank: int, progress: Any, idle: float, time
     entries = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(frame)] if frame else []
     c10d = [e for e in entries if e[0].endswith(_C10D) and e[2] not in ("wrapper", "_fn")]
     waiting_for_data = any(_DATA in e[0] for e in entries)
+    in_backward = any(_AUTOGRAD in e[0] for e in entries)   # DDP's gradient all-reduce waits there
     workers = sorted(p.pid for p in multiprocessing.active_children() if p.pid) if waiting_for_data else []
     return {
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
@@ -65,11 +67,44 @@ def summarize(thread: Optional[int], rank: int, progress: Any, idle: float, time
         "progress": progress.count, "callback": progress.where,
         "collective": progress.collective, "seq": progress.seq,
         "torch_collective": c10d[0][2] if c10d else "",
-        "dataloader_workers": workers, "waiting_for_data": waiting_for_data,
+        "dataloader_workers": workers, "waiting_for_data": waiting_for_data, "in_backward": in_backward,
         "user": _frame(_last(entries, _is_user)),
         "library": _frame(_last(entries, _is_library)),
         "innermost": _frame(entries[-1] if entries else None),
     }
+
+
+def workers(folder: str, rank: int, pids: List[int], since: float, wait: float) -> List[Dict[str, Any]]:
+    """The summaries rank ``rank``'s DataLoader workers wrote (``stall-rank<k>-worker<w>.json``),
+    waiting up to ``wait`` seconds for one per worker process in ``pids``."""
+    deadline = time.monotonic() + wait
+    found: Dict[str, Dict[str, Any]] = {}
+    prefix = f"stall-rank{rank}-worker"
+    while True:
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith(prefix) and n.endswith(".json")]
+        except OSError:
+            names = []
+        for name in names:
+            if name not in found:
+                path = os.path.join(folder, name)
+                try:
+                    if os.stat(path).st_mtime >= since - 1:
+                        with open(path, encoding="utf-8") as f:
+                            found[name] = json.load(f)
+                except (OSError, ValueError):
+                    pass
+        if len(found) >= len(pids) or time.monotonic() >= deadline:
+            return sorted(found.values(), key=lambda s: s.get("worker", 0))
+        time.sleep(0.1)
+
+
+def describe_worker(s: Dict[str, Any]) -> str:
+    """One DataLoader worker's place, in one line."""
+    if s.get("loading") is None:
+        return f"worker {s['worker']} (pid {s['pid']}) of rank {s['rank']}: not loading a batch"
+    return (f"worker {s['worker']} (pid {s['pid']}) of rank {s['rank']}: loading sample index(es) {s['loading']} "
+            f"for {s['loading_s']:g} s, user code at {_at(s.get('user'))}, innermost {_at(s.get('innermost'))}")
 
 
 def _at(frame: Optional[Dict[str, Any]]) -> str:
@@ -86,11 +121,17 @@ def describe(s: Dict[str, Any]) -> str:
     elif s.get("torch_collective"):
         parts.append(f"waiting in torch.distributed.{s['torch_collective']} called outside basetrainer's "
                      f"collectives ({s['seq']} done),")
+    elif s.get("in_backward"):
+        parts.append(f"in the backward pass (with DDP: its gradient all-reduce, which waits for every rank; "
+                     f"{s['seq']} of basetrainer's collectives done),")
     else:
         parts.append(f"in no collective ({s['seq']} done),")
     if s.get("waiting_for_data"):
         workers = s.get("dataloader_workers") or []
         parts.append(f"waiting for a batch from the DataLoader (worker pids {workers}),")
+        loading = [w for w in s.get("workers") or [] if w.get("loading") is not None]
+        if loading:
+            parts.append("; ".join(describe_worker(w) for w in loading) + ";")
     parts.append(f"user code at {_at(s.get('user'))}, basetrainer at {_at(s.get('library'))}, "
                  f"innermost {_at(s.get('innermost'))}")
     return " ".join(parts)
@@ -135,8 +176,13 @@ def gather(folder: str, world_size: int, since: float, seconds: float) -> str:
 
 def _place(s: Dict[str, Any]) -> Tuple[Any, ...]:
     user, library = s.get("user") or {}, s.get("library") or {}
-    return (s.get("collective") or s.get("torch_collective"), s.get("seq"), s.get("callback"),
+    return (_waiting(s), s.get("seq"), s.get("callback"),
             user.get("file"), user.get("function"), library.get("file"), library.get("function"))
+
+
+def _waiting(s: Dict[str, Any]) -> str:
+    """The collective a rank waits in ("" when it waits for none)."""
+    return s.get("collective") or s.get("torch_collective") or ("backward" if s.get("in_backward") else "")
 
 
 def _position(s: Dict[str, Any]) -> float:
@@ -165,7 +211,7 @@ def differs(summaries: Dict[int, Dict[str, Any]], world_size: int) -> str:
     behind = min(_position(s) for s in summaries.values())
     odd = sorted(r for r, s in summaries.items() if _position(s) == behind)
     if len(odd) == len(summaries):   # as far: the ones not waiting for the others differ
-        odd = sorted(r for r, s in summaries.items() if not (s.get("collective") or s.get("torch_collective")))
+        odd = sorted(r for r, s in summaries.items() if not _waiting(s))
     if not odd or len(odd) == len(summaries):
         return f"differs: the ranks are at {len(groups)} different places (above)" + \
             (f"; no summary from rank(s) {missing}" if missing else "")

@@ -70,13 +70,24 @@ SCRIPT = textwrap.dedent("""
             return self.build_dataloader(Stuck(data) if cfg.num_workers else data, cfg.batch_size, cfg.num_workers,
                                          phase="train")
 
+    class Skipping(Trainer):    # (c) one rank swallows an error and skips a batch
+        def train_step(self, data, batch):
+            try:
+                if os.environ.get("SKIP") and self.rank == 1 and self.epoch == 1 and batch == 1:
+                    stalled(self.cfg.work_dir)
+                    raise RuntimeError("a bad batch")
+                self.last = super().train_step(data, batch)
+            except RuntimeError:
+                pass   # LINE-C: swallowed; this rank skips the batch (no backward: DDP's all-reduce)
+            return self.last
+
     def main(work, scenario, stall):
         open(os.path.join(work, "pids", str(os.getpid())), "w").close()
         cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=64, work_dir=work, distributed=scenario != "single",
                       stall_timeout=stall, num_workers=1 if scenario == "d" else 0)
         callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss"),
                      OneSided() if scenario == "a" else Arm() if scenario == "d" else Sleeper()]
-        Trainer(cfg, callbacks=callbacks).run()
+        (Skipping if scenario == "c" else Trainer)(cfg, callbacks=callbacks).run()
 
     if __name__ == "__main__":
         work, scenario, stall, procs = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
@@ -96,7 +107,7 @@ def _line(path, marker):
 
 def _stall(script, tmp_path, scenario, procs, sleeper=1):
     work = str(tmp_path / "work")
-    env = {**os.environ, "SLEEPER": str(sleeper)}
+    env = {**os.environ, "SLEEPER": str(sleeper), "SKIP": "1" if scenario == "c" else ""}
     start = time.monotonic()
     done = run_script(script, work, scenario, STALL, procs, env=env, timeout=180)
     wall = time.monotonic() - start
@@ -205,13 +216,20 @@ class Threads(Callback):
     def on_batch_end(self, batch, logs=None):
         self.seen.append(sorted(t.name for t in threading.enumerate()))
 
+    def on_test_summary(self, *args, **kwargs):
+        self.on_batch_end(0)
+
 
 @pytest.mark.parametrize("stall", [0, 30])
 def test_stall_timeout_0_starts_no_thread_and_the_thread_ends_with_the_run(tmp_path, stall):
     seen = Threads()
-    ToyTrainer(toy_cfg(num_epochs=1, n_train=32, work_dir=str(tmp_path), stall_timeout=stall), callbacks=[seen]).run()
-    watching = ["basetrainer-stall-watchdog" in names for names in seen.seen]
-    assert watching and all(w == bool(stall) for w in watching), seen.seen
+    t = ToyTrainer(toy_cfg(num_epochs=1, n_train=32, n_test=16, work_dir=str(tmp_path), stall_timeout=stall),
+                   callbacks=[seen])
+    t.run()
+    t.evaluate()
+    t.predict(t.test_loader)
+    watching = [names.count("basetrainer-stall-watchdog") for names in seen.seen]   # 2 steps, 1 test batch, evaluate()'s
+    assert len(watching) == 2 + 1 + 1 and all(w == bool(stall) for w in watching), seen.seen
     assert "basetrainer-stall-watchdog" not in [t.name for t in threading.enumerate()]
 
 

@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from basetrainer.runtime import stall_report
 
@@ -60,6 +60,7 @@ class Progress:
 
 #: this process's progress stamp
 PROGRESS = Progress()
+_RUNNING: List["Watchdog"] = []   # the watchdog watching this process (one at a time)
 
 
 class collective:
@@ -125,7 +126,8 @@ class Watchdog:
         self._started = 0.0
 
     def __enter__(self) -> "Watchdog":
-        if self.timeout > 0:
+        if self.timeout > 0 and not _RUNNING:   # evaluate() inside run(): the run's watchdog watches
+            _RUNNING.append(self)
             self._started = time.time()
             self.thread = threading.Thread(target=self._watch, name="basetrainer-stall-watchdog", daemon=True)
             self.thread.start()
@@ -133,6 +135,8 @@ class Watchdog:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
+        if self in _RUNNING:
+            _RUNNING.remove(self)
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=5)
         self.thread = None

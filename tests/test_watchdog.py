@@ -6,6 +6,8 @@ import datetime
 import json
 import logging
 import os
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -18,7 +20,7 @@ from basetrainer.engine import launch as launch_mod
 from basetrainer.runtime import processes, stall_report, watchdog
 from basetrainer.utils import setup_config
 
-from conftest import ToyTrainer, run_script, script_fixture, toy_cfg
+from conftest import ToyTrainer, free_port, run_script, script_fixture, toy_cfg
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
@@ -70,29 +72,20 @@ SCRIPT = textwrap.dedent("""
             return self.build_dataloader(Stuck(data) if cfg.num_workers else data, cfg.batch_size, cfg.num_workers,
                                          phase="train")
 
-    class Skipping(Trainer):    # (c) one rank swallows an error and skips a batch
-        def train_step(self, data, batch):
-            try:
-                if os.environ.get("SKIP") and self.rank == 1 and self.epoch == 1 and batch == 1:
-                    stalled(self.cfg.work_dir)
-                    raise RuntimeError("a bad batch")
-                self.last = super().train_step(data, batch)
-            except RuntimeError:
-                pass   # LINE-C: swallowed; this rank skips the batch (no backward: DDP's all-reduce)
-            return self.last
-
     def main(work, scenario, stall):
         open(os.path.join(work, "pids", str(os.getpid())), "w").close()
         cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=64, work_dir=work, distributed=scenario != "single",
                       stall_timeout=stall, num_workers=1 if scenario == "d" else 0)
         callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss"),
                      OneSided() if scenario == "a" else Arm() if scenario == "d" else Sleeper()]
-        (Skipping if scenario == "c" else Trainer)(cfg, callbacks=callbacks).run()
+        Trainer(cfg, callbacks=callbacks).run()
 
     if __name__ == "__main__":
         work, scenario, stall, procs = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
         os.makedirs(os.path.join(work, "pids"), exist_ok=True)
         os.environ["WORK"] = work
+        if "LOCAL_RANK" in os.environ:   # torchrun: the launcher joins its world
+            procs = int(os.environ["LOCAL_WORLD_SIZE"])
         launch(main, num_gpus_per_machine=procs, distributed=scenario != "single", args=(work, scenario, stall))
 """)
 script = script_fixture(SCRIPT, "train_stall.py")
@@ -105,11 +98,16 @@ def _line(path, marker):
         return next(i for i, text in enumerate(f, start=1) if marker in text)
 
 
-def _stall(script, tmp_path, scenario, procs, sleeper=1):
+def _stall(script, tmp_path, scenario, procs, sleeper=1, torchrun=False):
     work = str(tmp_path / "work")
-    env = {**os.environ, "SLEEPER": str(sleeper), "SKIP": "1" if scenario == "c" else ""}
+    env = {**os.environ, "SLEEPER": str(sleeper)}
     start = time.monotonic()
-    done = run_script(script, work, scenario, STALL, procs, env=env, timeout=180)
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), script, work, scenario, str(STALL), str(procs)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    else:
+        done = run_script(script, work, scenario, STALL, procs, env=env, timeout=180)
     wall = time.monotonic() - start
     report = os.path.join(work, "log", stall_report.REPORT)
     with open(os.path.join(work, "stalled_at")) as f:
@@ -120,8 +118,8 @@ def _stall(script, tmp_path, scenario, procs, sleeper=1):
     return done, text, to_report, wall, pids, work
 
 
-def _check_common(done, text, to_report, pids, work, procs):
-    assert done.returncode == watchdog.EXIT_STALL, (done.returncode, done.stderr[-3000:])
+def _check_common(done, text, to_report, pids, work, procs, status=watchdog.EXIT_STALL):
+    assert done.returncode == status, (done.returncode, done.stderr[-3000:])
     assert to_report <= STALL + 15, to_report
     assert not [p for p in pids if processes.running(p)], "a rank outlived the job"
     assert f"see {os.path.join(work, 'log', stall_report.REPORT)}" in done.stderr
@@ -144,6 +142,15 @@ def test_a_collective_a_callback_runs_on_rank_0_only_is_reported_naming_rank_0_a
     assert "torch.distributed.all_reduce" in rank0, text
     assert "differs: rank(s) [0]" in text, text
     assert "waiting in collective #" in next(t for t in text.splitlines() if t.startswith("rank 1")), text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_each_rank_exits_3_and_the_report_names_rank_0(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "a", 2, torchrun=True)
+    _check_common(done, text, to_report, pids, work, 2, status=1)   # torchrun's own status: a child failed
+    assert "exitcode: 3" in done.stderr or "exitcode  : 3" in done.stderr, done.stderr[-3000:]
+    assert "differs: rank(s) [0]" in text, text
 
 
 @pytest.mark.slow

@@ -155,9 +155,10 @@ def test_under_torchrun_each_rank_exits_3_and_the_report_names_rank_0(script, tm
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_rank_asleep_in_on_epoch_end_is_reported_as_the_rank_that_differs(script, tmp_path):
-    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "b", 2, sleeper=1)
-    _check_common(done, text, to_report, pids, work, 2)
+@pytest.mark.parametrize("procs", [2, 3])
+def test_a_rank_asleep_in_on_epoch_end_is_reported_as_the_rank_that_differs(script, tmp_path, procs):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "b", procs, sleeper=1)
+    _check_common(done, text, to_report, pids, work, procs)
     rank1 = next(t for t in text.splitlines() if t.startswith("rank 1"))
     assert "in callback Sleeper.on_epoch_end" in rank1 and f"{script}:{_line(script, 'LINE-B')})" in rank1, text
     assert "differs: rank(s) [1]" in text, text

@@ -54,7 +54,8 @@ SCRIPT = textwrap.dedent("""
             return len(self.data)
         def __getitem__(self, index):
             armed = os.path.join(os.environ["WORK"], "armed")
-            if os.environ.get("RANK") == "1" and os.path.exists(armed) and not os.path.exists(armed + ".used"):
+            if os.environ.get("RANK", "0") == os.environ["STUCK"] and os.path.exists(armed) \\
+                    and not os.path.exists(armed + ".used"):
                 open(armed + ".used", "w").write(str(index))
                 stalled(os.environ["WORK"])
                 time.sleep(3600)   # LINE-D
@@ -62,7 +63,7 @@ SCRIPT = textwrap.dedent("""
 
     class Arm(Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1 and self.trainer.rank == 1:
+            if epoch == 1 and self.trainer.rank == int(os.environ["STUCK"]):
                 open(os.path.join(self.trainer.cfg.work_dir, "armed"), "w").close()
 
     class Trainer(ToyTrainer):
@@ -74,10 +75,11 @@ SCRIPT = textwrap.dedent("""
 
     def main(work, scenario, stall):
         open(os.path.join(work, "pids", str(os.getpid())), "w").close()
-        cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=64, work_dir=work, distributed=scenario != "single",
-                      stall_timeout=stall, num_workers=1 if scenario == "d" else 0)
+        single = scenario.startswith("single")
+        cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=64, work_dir=work, distributed=not single,
+                      stall_timeout=stall, num_workers=1 if scenario.endswith("d") else 0)
         callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss"),
-                     OneSided() if scenario == "a" else Arm() if scenario == "d" else Sleeper()]
+                     OneSided() if scenario == "a" else Arm() if scenario.endswith("d") else Sleeper()]
         Trainer(cfg, callbacks=callbacks).run()
 
     if __name__ == "__main__":
@@ -86,7 +88,8 @@ SCRIPT = textwrap.dedent("""
         os.environ["WORK"] = work
         if "LOCAL_RANK" in os.environ:   # torchrun: the launcher joins its world
             procs = int(os.environ["LOCAL_WORLD_SIZE"])
-        launch(main, num_gpus_per_machine=procs, distributed=scenario != "single", args=(work, scenario, stall))
+        launch(main, num_gpus_per_machine=procs, distributed=not scenario.startswith("single"),
+               args=(work, scenario, stall))
 """)
 script = script_fixture(SCRIPT, "train_stall.py")
 
@@ -100,7 +103,7 @@ def _line(path, marker):
 
 def _stall(script, tmp_path, scenario, procs, sleeper=1, torchrun=False):
     work = str(tmp_path / "work")
-    env = {**os.environ, "SLEEPER": str(sleeper)}
+    env = {**os.environ, "SLEEPER": str(sleeper), "STUCK": str(sleeper)}
     start = time.monotonic()
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
@@ -189,6 +192,19 @@ def test_a_data_worker_that_hangs_on_one_rank_is_named_with_the_sample_index_it_
     assert f"{script}:{_line(script, 'LINE-D')})" in rank1, text
     assert "differs: rank(s) [1]" in text, text
     assert os.path.isfile(os.path.join(work, "log", "stall-rank1-worker0.txt"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_process_with_a_hung_data_worker_names_the_index_and_leaves_no_worker_behind(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "single-d", 1, sleeper=0)
+    _check_common(done, text, to_report, pids, work, 1)
+    with open(os.path.join(work, "armed.used")) as f:
+        index = int(f.read())
+    summary = json.load(open(os.path.join(work, "log", "stall-rank0.json")))
+    worker = summary["workers"][0]
+    assert [index, 1] in worker["loading"], worker
+    assert not processes.running(worker["pid"]), "the hung worker outlived its process"
 
 
 # ------------------------------------------------------------------------------------ in process

@@ -121,8 +121,7 @@ class Watchdog:
         self.thread: Optional[threading.Thread] = None
         self.fired: Optional[Dict[str, Any]] = None     # this rank's summary, once it reported
         self._stop = threading.Event()
-        self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() \
-            else threading.get_ident()
+        self._main = threading.get_ident()   # the thread that runs the loop (the one entering)
         self._started = 0.0
 
     def __enter__(self) -> "Watchdog":
@@ -191,6 +190,7 @@ class Watchdog:
         if self.exit:
             sys.stdout.flush()
             sys.stderr.flush()
+            _end_children()
             os._exit(EXIT_STALL)
         return self.fired or {}
 
@@ -302,6 +302,18 @@ def _wait_for_background_writes(seconds: float) -> None:
     done = threading.Thread(target=_quietly, args=(atomic.wait_for_writes,), daemon=True)
     done.start()
     done.join(seconds)
+
+
+def _end_children() -> None:
+    """Kill this process's own multiprocessing children (its DataLoader workers): a hung one
+    never notices that its parent is gone, and ``os._exit`` skips multiprocessing's clean-up."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        try:
+            child.kill()
+        except OSError:
+            pass
 
 
 def _quietly(fn: Any) -> None:

@@ -252,7 +252,8 @@ def test_stall_timeout_0_starts_no_thread_and_the_thread_ends_with_the_run(tmp_p
     t.run()
     t.evaluate()
     t.predict(t.test_loader)
-    watching = [names.count("basetrainer-stall-watchdog") for names in seen.seen]   # 2 steps, 1 test batch, evaluate()'s
+    # 2 steps, 1 test batch, evaluate()'s test batch
+    watching = [names.count("basetrainer-stall-watchdog") for names in seen.seen]
     assert len(watching) == 2 + 1 + 1 and all(w == bool(stall) for w in watching), seen.seen
     assert "basetrainer-stall-watchdog" not in [t.name for t in threading.enumerate()]
 

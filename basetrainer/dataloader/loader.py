@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from basetrainer.dataloader import data_resample
 from basetrainer.dataloader.sampler import GlobalBatchSampler
 from basetrainer.dataloader.seeding import SeededDataset
-from basetrainer.runtime import comm, watchdog
+from basetrainer.runtime import comm, worker_watch
 from basetrainer.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class _WorkerSeeder:
         import numpy as np
 
         if self.stall is not None:
-            watchdog.WorkerWatch(*self.stall, worker_id=worker_id).start()
+            worker_watch.WorkerWatch(*self.stall, worker_id=worker_id).start()
 
         seed = torch.initial_seed() % 2 ** 32
         random.seed(seed)

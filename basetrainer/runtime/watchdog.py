@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from basetrainer.runtime import stall_report
 
@@ -142,6 +142,12 @@ class Watchdog:
 
     # ----------------------------------------------------------------------------- the thread
     def _watch(self) -> None:
+        try:
+            self._watch_until_stalled()
+        except Exception:   # a watchdog that died silently would leave the next stall unreported
+            logger.exception("the stall watchdog of rank %d failed; stalls go unreported in this run", self.rank)
+
+    def _watch_until_stalled(self) -> None:
         seen, since = PROGRESS.count, time.monotonic()
         trigger = os.path.join(self.folder, TRIGGER)
         while not self._stop.wait(self.poll):
@@ -152,9 +158,9 @@ class Watchdog:
             if now - since >= self.timeout:
                 self.report(now - since, announced_by=None)
                 return
-            announced = _announced(trigger, self._started)
-            if announced is not None:
-                self.report(now - since, announced_by=announced)
+            by = announced(trigger, self._started)
+            if by is not None:
+                self.report(now - since, announced_by=by)
                 return
 
     def report(self, idle: float, announced_by: Optional[int]) -> Dict[str, Any]:
@@ -162,7 +168,7 @@ class Watchdog:
         try:
             os.makedirs(self.folder, exist_ok=True)
             if announced_by is None:
-                _write(os.path.join(self.folder, TRIGGER), str(self.rank))
+                write_text(os.path.join(self.folder, TRIGGER), str(self.rank))
             summary = stall_report.summarize(self._main, self.rank, PROGRESS, idle, self.timeout, announced_by)
             if summary["waiting_for_data"]:   # the workers' own account of what they load
                 summary["workers"] = stall_report.workers(self.folder, self.rank, summary["dataloader_workers"],
@@ -170,14 +176,15 @@ class Watchdog:
             self.fired = summary
             stack = os.path.join(self.folder, f"stall-rank{self.rank}.txt")
             with open(stack, "w", encoding="utf-8") as f:
-                f.write(stall_report.describe(summary) + "\n\nPython stacks of every thread (faulthandler; most recent call first):\n")
+                f.write(stall_report.describe(summary) + "\n\nPython stacks of every thread (faulthandler; most "
+                        "recent call first):\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
-            _write(os.path.join(self.folder, f"stall-rank{self.rank}.json"), json.dumps(summary, indent=1))
+            write_text(os.path.join(self.folder, f"stall-rank{self.rank}.json"), json.dumps(summary, indent=1))
             report = os.path.join(self.folder, stall_report.REPORT)
             if self.rank == 0:
                 text = stall_report.gather(self.folder, self.world_size, self._started, self.gather)
-                _write(report, text)
+                write_text(report, text)
                 sys.stderr.write(text + "\n")
             else:
                 _wait_for(report, self._started, self.gather + 5)
@@ -195,78 +202,7 @@ class Watchdog:
         return self.fired or {}
 
 
-# ---------------------------------------------------------------------------------- data workers
-_FETCH = os.sep + os.path.join("torch", "utils", "data", "_utils", "fetch.py")
-
-
-class WorkerWatch:
-    """In a DataLoader worker process: a daemon thread that, when its rank announces a stall,
-    writes ``stall-rank<k>-worker<w>.json`` and ``.txt``: the sample indices the worker is loading
-    (read from the fetch frame of its main thread: nothing is added per item), for how long, the
-    innermost frame of the user's code, and every thread's stack.
-
-    Args:
-        timeout, folder, rank: the rank's ``stall_timeout``, report folder and rank.
-        worker_id: this worker's id in its DataLoader.
-    """
-
-    def __init__(self, timeout: float, folder: str, rank: int, worker_id: int) -> None:
-        self.timeout, self.folder, self.rank, self.worker_id = timeout, folder, rank, worker_id
-        self._main = threading.get_ident()
-        self._started = time.time()
-        self.poll = min(1.0, max(0.05, timeout / 10))
-
-    def start(self) -> None:
-        if self.timeout > 0:
-            threading.Thread(target=self._watch, name="basetrainer-stall-worker-watch", daemon=True).start()
-
-    def loading(self) -> Optional[Tuple[int, Any]]:
-        """``(id of the fetch frame, the indices it loads)`` when the worker is loading a batch."""
-        frame = sys._current_frames().get(self._main)
-        while frame is not None:
-            if frame.f_code.co_filename.endswith(_FETCH) and frame.f_code.co_name == "fetch":
-                return id(frame), frame.f_locals.get("possibly_batched_index")
-            frame = frame.f_back
-        return None
-
-    def _watch(self) -> None:
-        trigger = os.path.join(self.folder, TRIGGER)
-        current, since = None, time.monotonic()
-        while True:
-            time.sleep(self.poll)
-            now = self.loading()
-            key = None if now is None else now[0]
-            if key != current:
-                current, since = key, time.monotonic()
-            if _announced(trigger, self._started) is not None:
-                self.report(now, time.monotonic() - since)
-                return
-
-    def report(self, now: Optional[Tuple[int, Any]], seconds: float) -> None:
-        name = os.path.join(self.folder, f"stall-rank{self.rank}-worker{self.worker_id}")
-        summary = stall_report.summarize(self._main, self.rank, PROGRESS, seconds, self.timeout, None)
-        summary.update(worker=self.worker_id, loading=None if now is None else _plain(now[1]),
-                       loading_s=round(seconds, 1) if now is not None else None)
-        try:
-            with open(name + ".txt", "w", encoding="utf-8") as f:
-                f.write(stall_report.describe_worker(summary) + "\n\nPython stacks of every thread "
-                        "(faulthandler; most recent call first):\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-            _write(name + ".json", json.dumps(summary, indent=1))
-        except OSError:
-            pass
-
-
-def _plain(indices: Any) -> Any:
-    """Sample indices as JSON: ints, (index, epoch) pairs as lists; anything else as text."""
-    try:
-        return json.loads(json.dumps(indices))
-    except (TypeError, ValueError):
-        return repr(indices)[:500]
-
-
-def _announced(trigger: str, since: float) -> Optional[int]:
+def announced(trigger: str, since: float) -> Optional[int]:
     """The rank that announced a stall of this job in ``trigger`` (written after ``since``)."""
     try:
         if os.stat(trigger).st_mtime < since - 1:
@@ -277,7 +213,8 @@ def _announced(trigger: str, since: float) -> Optional[int]:
         return None
 
 
-def _write(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole (a temp file, then a rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

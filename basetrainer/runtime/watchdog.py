@@ -188,8 +188,10 @@ class Watchdog:
                 sys.stderr.write(text + "\n")
             else:
                 _wait_for(report, self._started, self.gather + 5)
-            sys.stderr.write(f"basetrainer: rank {self.rank} made no progress for {idle:.0f} s (stall_timeout "
-                             f"{self.timeout:g} s): the job ends with exit status {EXIT_STALL}; see {report}\n")
+            why = (f"made no progress for {idle:.0f} s (stall_timeout {self.timeout:g} s)" if announced_by is None
+                   else f"stops because rank {announced_by} stalled (no progress for stall_timeout {self.timeout:g} s)")
+            sys.stderr.write(f"basetrainer: rank {self.rank} {why}: the job ends with exit status {EXIT_STALL}; "
+                             f"see {report}\n")
             _wait_for_background_writes(10.0)
         except Exception as e:   # the exit below must happen whatever went wrong here
             sys.stderr.write(f"basetrainer: rank {self.rank} stalled; writing the stall report failed: "

@@ -294,3 +294,26 @@ def test_the_report_names_the_odd_rank_out_of_three_and_the_one_behind_of_two():
     same = {r: _summary(r, 7, "any_true") for r in range(2)}
     assert stall_report.differs(same, 2).startswith("no rank differs")
     assert stall_report.differs({0: three[0]}, 2).startswith("differs: rank(s) [1] (no summary)")
+
+
+def test_the_watchdog_lets_a_checkpoint_write_of_the_stalled_thread_finish_before_it_exits(tmp_path, monkeypatch):
+    from basetrainer.runtime import atomic
+
+    path = str(tmp_path / "last.pth")
+    real, alive = torch.save, []
+
+    def slow_save(obj, f):   # the write takes longer than stall_timeout
+        time.sleep(1.5)
+        alive.append(dog.thread is not None and dog.thread.is_alive())   # the watchdog reported, and waits
+        real(obj, f)
+
+    monkeypatch.setattr(atomic.torch, "save", slow_save)
+    with watchdog.Watchdog(0.3, str(tmp_path / "log"), exit=False, gather=0.2) as dog:
+        started = time.monotonic()
+        atomic.write_atomically({"epoch": 3}, path)
+        written = time.monotonic() - started
+        while dog.thread is not None and dog.thread.is_alive():
+            time.sleep(0.05)
+    # the report came during the write, and the watchdog waited for the write to end
+    assert dog.fired is not None and written >= 1.5 and alive == [True]
+    assert torch.load(path, weights_only=True) == {"epoch": 3}

@@ -193,6 +193,7 @@ class Watchdog:
             sys.stderr.write(f"basetrainer: rank {self.rank} {why}: the job ends with exit status {EXIT_STALL}; "
                              f"see {report}\n")
             _wait_for_background_writes(10.0)
+            _wait_for_file_write(self._main, 10.0)
         except Exception as e:   # the exit below must happen whatever went wrong here
             sys.stderr.write(f"basetrainer: rank {self.rank} stalled; writing the stall report failed: "
                              f"{type(e).__name__}: {e}\n")
@@ -241,6 +242,23 @@ def _wait_for_background_writes(seconds: float) -> None:
     done = threading.Thread(target=_quietly, args=(atomic.wait_for_writes,), daemon=True)
     done.start()
     done.join(seconds)
+
+
+_ATOMIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "atomic.py")
+
+
+def _wait_for_file_write(thread: int, seconds: float) -> None:
+    """Let the thread ``thread`` finish the atomic write it is in, if any (at most ``seconds``;
+    cut short, the temp file is left and the previous file stands)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread)
+        while frame is not None and frame.f_code.co_filename != _ATOMIC:
+            frame = frame.f_back
+        if frame is None:
+            return
+        del frame
+        time.sleep(0.05)
 
 
 def _end_children() -> None:

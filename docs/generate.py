@@ -31,6 +31,7 @@ KEY_PAGES: Dict[str, str] = {
     "loggers": "trackers.md", "mlflow_uri": "trackers.md", "tracker_deadline": "trackers.md",
     "resume": "checkpoints.md#resume", "overwrite": "checkpoints.md#a-rerun-into-a-used-folder",
     "schedule_on_resume": "checkpoints.md#resume", "data_wait_warn": "callbacks.md#the-data-stall-meter",
+    "stall_timeout": "modes.md#stalls",
     "start_save": "checkpoints.md#what-a-run-writes", "gpu_id": "modes.md", "distributed": "modes.md",
     "sync_bn": "modes.md#ddp-equals-one-process", "seed_per_sample": "modes.md#randomness",
     "loss_reduction": "modes.md#ddp-equals-one-process", "use_prune": "pruning.md",

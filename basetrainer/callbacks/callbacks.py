@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from basetrainer.runtime.watchdog import PROGRESS
+
 _logger = logging.getLogger(__name__)
 
 EVENTS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_batch_prepare",
@@ -182,29 +184,37 @@ class CallbackList:
         self.callbacks = checked([c for c in callbacks if c is not None])
         for cb in self.callbacks:
             cb.set_trainer(trainer)
-        # per event, only the callbacks that implement it (an empty base method costs a call)
-        self.handlers: Dict[str, List[Tuple[str, Any]]] = {}
+        # per event, only the callbacks that implement it (an empty base method costs a call), with
+        # the label the stall watchdog reports while it runs
+        self.handlers: Dict[str, List[Tuple[str, Any, str]]] = {}
         for event in EVENTS:
             base = getattr(Callback, event)
-            self.handlers[event] = [(type(cb).__name__, getattr(cb, event)) for cb in self.callbacks
-                                    if getattr(type(cb), event) is not base]
+            self.handlers[event] = [(type(cb).__name__, getattr(cb, event), f"callback {type(cb).__name__}.{event}")
+                                    for cb in self.callbacks if getattr(type(cb), event) is not base]
 
     def call(self, event: str, *args: Any) -> None:
-        """Call ``event`` on every callback in list order; a failure names the callback."""
-        for name, handler in self.handlers.get(event, ()):
+        """Call ``event`` on every callback in list order; a failure names the callback. While a
+        callback runs, the stall watchdog's progress stamp names it (two attribute writes)."""
+        progress = PROGRESS
+        for name, handler, label in self.handlers.get(event, ()):
+            progress.where = label
             try:
                 handler(*args)
             except Exception as e:
                 if hasattr(e, "add_note"):  # Python 3.11+
                     e.add_note(f"raised in callback {name}.{event}")
                 raise
+            finally:
+                progress.where = ""
 
     def call_all(self, event: str, *args: Any, raise_first: bool = True) -> None:
         """Call ``event`` on every callback even when some fail: the first error is raised
         after all ran (``raise_first=False``: every error is logged instead, e.g. when another
         error is already on its way)."""
         first: Optional[BaseException] = None
-        for name, handler in self.handlers.get(event, ()):
+        progress = PROGRESS
+        for name, handler, label in self.handlers.get(event, ()):
+            progress.where = label
             try:
                 handler(*args)
             except Exception as e:
@@ -214,6 +224,7 @@ class CallbackList:
                     first = e
                 else:  # one line: the error on its way is the one to read
                     _logger.error("%s.%s failed too: %s: %s", name, event, type(e).__name__, e)
+        progress.where = ""
         if first is not None:
             raise first
 

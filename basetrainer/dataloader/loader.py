@@ -9,7 +9,7 @@ Evaluation shards the data without padding or duplicates (:class:`ShardSampler`)
 """
 import logging
 import random
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from basetrainer.dataloader import data_resample
 from basetrainer.dataloader.sampler import GlobalBatchSampler
 from basetrainer.dataloader.seeding import SeededDataset
-from basetrainer.runtime import comm
+from basetrainer.runtime import comm, worker_watch
 from basetrainer.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,15 @@ class _WorkerSeeder:
     """Seeds python and numpy in each worker from torch's per-worker seed (which differs per
     rank, worker and epoch, and follows the loader's seeded generator)."""
 
-    def __init__(self, user_fn: Any = None) -> None:
+    def __init__(self, user_fn: Any = None, stall: Optional[Tuple[float, str, int]] = None) -> None:
         self.user_fn = user_fn
+        self.stall = stall   # (stall_timeout, report folder, rank): the worker's stall watch
 
     def __call__(self, worker_id: int) -> None:
         import numpy as np
+
+        if self.stall is not None:
+            worker_watch.WorkerWatch(*self.stall, worker_id=worker_id).start()
 
         seed = torch.initial_seed() % 2 ** 32
         random.seed(seed)
@@ -60,7 +64,8 @@ class _WorkerSeeder:
 def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, phase: str = "train",
                      shuffle: bool = True, pin_memory: bool = False, drop_last: bool = False,
                      distributed: Optional[bool] = None, seed: int = 2020, seed_per_sample: bool = True,
-                     balance: Optional[str] = None, labels: Optional[Any] = None, **kwargs: Any) -> DataLoader:
+                     balance: Optional[str] = None, labels: Optional[Any] = None,
+                     stall_watch: Optional[Tuple[float, str, int]] = None, **kwargs: Any) -> DataLoader:
     """See :meth:`basetrainer.engine.trainer.EngineTrainer.build_dataloader`."""
     if phase not in ("train", "test"):
         raise ValueError(f"phase={phase!r} must be 'train' or 'test'")
@@ -86,7 +91,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, num_workers: int = 0, ph
     generator.manual_seed(seed + 1000003 * rank)
     persistent = kwargs.pop("persistent_workers", num_workers > 0)
     common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=generator,
-                  worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None)),
+                  worker_init_fn=_WorkerSeeder(kwargs.pop("worker_init_fn", None), stall_watch),
                   persistent_workers=persistent and num_workers > 0, **kwargs)
     if balance not in (None, "none") and phase != "train":
         raise ValueError(f"balance={balance!r} resamples the training set; the {phase} loader takes balance=None")

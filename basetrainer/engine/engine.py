@@ -21,7 +21,7 @@ from basetrainer.engine.history import History
 from basetrainer.engine import preemption
 from basetrainer.engine.steps import EpochSteps
 from basetrainer.models.sync_batchnorm import placeholder_batch
-from basetrainer.runtime import comm, sharding
+from basetrainer.runtime import comm, sharding, watchdog
 from basetrainer.runtime.modules import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class Engine:
         self._buffer_sync: Optional[Callable[[], None]] = None   # ddp/fsdp: rank 0's buffers to all, each step
         self.data_wait_warn = 0.3       # rank 0 advises when a rank waits for data longer than this share (0: never)
         self.data_wait: Optional[data_wait.DataWait] = None   # the last train phase's data-stall meter, every rank's
+        self.stall_timeout = watchdog.DEFAULT_STALL_TIMEOUT   # seconds without progress before a stall report (0: off)
+        self.stall_folder = "log"       # where the stall report goes (the trainer: work_dir/log)
 
     # ----------------------------------------------------------------------------- checkpoints
     # where the run is and its checkpoints: self.checkpointer's (checkpointer.py), by the names callbacks use
@@ -128,7 +130,7 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         finished = False
-        with self._preemption:
+        with self._preemption, self.stall_watchdog():
             try:
                 self.dispatch("on_train_begin", logs)
                 first = self.num_epochs if comm.any_true(self.stop_training) else self.start_epoch   # stopped at begin
@@ -147,6 +149,10 @@ class Engine:
                 finally:   # also the workers a callback started there
                     preemption.end_workers(self.train_loader, self.test_loader)
         return self.history
+
+    def stall_watchdog(self) -> watchdog.Watchdog:
+        """The stall watchdog of a run (``with self.stall_watchdog():``; see :mod:`basetrainer.runtime.watchdog`)."""
+        return watchdog.Watchdog(self.stall_timeout, self.stall_folder, comm.get_rank(), comm.get_world_size())
 
     def run_epoch(self, epoch: int, logs: dict) -> None:
         """One epoch: the train phase, the test phase, the epoch end and its checkpoint."""
@@ -177,6 +183,7 @@ class Engine:
         clock, waited = time.perf_counter, 0.0   # the data-stall meter: seconds inside the loader (data_wait.py)
         began = mark = clock()
         start, batches = ckpt.enter_train(self.train_loader, preemption.start)   # a resume: after the stop
+        progress = watchdog.PROGRESS
         for batch, data in enumerate(batches, start=start):
             waited += clock() - mark   # in next() since the last step's end (opening the loader, for the first)
             self.dispatch("on_batch_prepare", epoch, batch, logs)
@@ -187,6 +194,7 @@ class Engine:
             if not self._placeholder:   # a placeholder batch holds no sample of this rank
                 self.dispatch("on_train_summary", data, outputs, losses, epoch, batch, logs)
             self.dispatch("on_batch_end", batch, logs)
+            progress.count += 1   # the stall watchdog's stamp: an attribute write, no call
             if check := self.should_log(batch):
                 self._guard.check(epoch)
             if self._updated and ckpt.deferred is not None:   # asked inside the window
@@ -252,6 +260,7 @@ class Engine:
             self.model = wrapped.module
         self.model.eval()
         most, done = sharding.most_test_batches(self), 0   # FSDP: every rank forwards as often
+        progress = watchdog.PROGRESS
         try:
             for done, data in enumerate(preemption.start(self.test_loader), start=1):
                 batch = done - 1
@@ -259,6 +268,7 @@ class Engine:
                 with self.autocast():
                     outputs, losses = self.run_step(data)
                 self.dispatch("on_test_summary", data, outputs, losses, epoch, batch, logs)
+                progress.count += 1
                 # one process stops after this batch (the resume repeats the test phase); ranks
                 # hold different numbers of test batches, so DDP stops at the epoch's end
                 if self._preemption.requested and comm.get_world_size() == 1:

@@ -29,7 +29,7 @@ from basetrainer.engine import inference_data, preemption
 from basetrainer.engine.resume import _decided_by_main
 from basetrainer.evaluation import ordered, writers
 from basetrainer.runtime import checkpoint as checkpoints
-from basetrainer.runtime import comm, sharded, sharding
+from basetrainer.runtime import comm, sharded, sharding, watchdog
 from basetrainer.runtime.modules import ModelWithLoss
 from basetrainer.utils import torch_tools
 
@@ -58,7 +58,7 @@ def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None,
                          f"figure): return one from build_criterion, or override run_step")
     loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
     logs: Dict[str, Any] = {}
-    with engine.evaluation(loader, checkpoint=loaded):   # a file's weights: ModelEMA swaps no average in
+    with engine.evaluation(loader, checkpoint=loaded), engine.stall_watchdog():   # a file's weights: no EMA swap
         preemption.shield_loader(loader)
         engine.dispatch("on_test_begin", logs)
         engine.run_test_epoch(engine.epoch, logs)
@@ -108,8 +108,9 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     engine.model = _forward_model(wrapped)
     engine.model.eval()
     placeholder, result = None, [None]
+    progress = watchdog.PROGRESS
     try:
-        with torch.no_grad():
+        with torch.no_grad(), engine.stall_watchdog():
             batches = None
             if error is None:
                 try:
@@ -130,6 +131,7 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
                     except Exception as e:
                         error = e
                 _agree(error)   # one collective a round: no rank waits for one that failed
+                progress.count += 1   # the stall watchdog's stamp
                 error = _guarded(collector.add, outputs)   # a writer's failure: on the main process only
             if error is None:
                 error = _guarded(lambda: result.__setitem__(0, collector.finish()))

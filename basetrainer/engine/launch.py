@@ -16,13 +16,14 @@ import socket
 import subprocess
 import tempfile
 import traceback
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from basetrainer.engine.spawn import spawn
+from basetrainer.runtime import watchdog
 from basetrainer.runtime.errors import EXIT_USAGE, ConfigError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,34 @@ def _resolve_url(dist_url: Optional[str], num_machines: int) -> str:
     return dist_url
 
 
-def _timeout(timeout: Any) -> datetime.timedelta:
+def _stall_timeout(args: Sequence) -> float:
+    """The ``stall_timeout`` of the config among ``args`` (the first mapping that has the key),
+    else its default."""
+    for arg in args:
+        if isinstance(arg, Mapping) and "stall_timeout" in arg:
+            return watchdog.check_timeout(arg["stall_timeout"])
+    return watchdog.DEFAULT_STALL_TIMEOUT
+
+
+def _timeout(timeout: Any, args: Sequence = ()) -> datetime.timedelta:
+    """The process group's timeout: ``timeout``, or (None) ``stall_timeout`` + 60 s, so that the
+    stall watchdog reports a stuck collective before the backend fails it without naming a rank."""
+    stall = _stall_timeout(args)
+    if timeout is None:
+        seconds = watchdog.group_timeout(stall)
+        return datetime.timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
     if isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0:
-        return datetime.timedelta(seconds=float(timeout))
-    raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta")
+        result = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        result = datetime.timedelta(seconds=float(timeout))
+    else:
+        raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta (or None: "
+                          f"stall_timeout + {watchdog.GROUP_MARGIN:g} s)")
+    if stall and result.total_seconds() < stall + watchdog.GROUP_MARGIN:
+        logger.warning("launch: timeout=%gs is shorter than stall_timeout (%gs) + %gs: a stuck collective fails "
+                       "with the backend's message, which names no rank, before the stall report; leave timeout "
+                       "unset (None) to follow stall_timeout", result.total_seconds(), stall, watchdog.GROUP_MARGIN)
+    return result
 
 
 def _pick_backend(backend: Optional[str], nprocs: int) -> str:
@@ -232,7 +255,7 @@ def _worker(local_rank: int, main_func: Callable, args: Tuple, world_size: int, 
 
 def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optional[str] = "auto",
            num_machines: int = 1, machine_rank: int = 0, distributed: bool = False, args: Sequence = (),
-           timeout: Any = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Any:
+           timeout: Any = None, backend: Optional[str] = None) -> Any:
     """Run ``main_func(*args)`` in the right processes.
 
     Args:
@@ -245,7 +268,11 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
         machine_rank: this machine's index (0 hosts the rendezvous).
         distributed: False calls ``main_func(*args)`` directly in this process.
         args: arguments of ``main_func``.
-        timeout: seconds (or a timedelta) a collective may wait before the job fails.
+        timeout: seconds (or a timedelta) a collective may wait before the backend fails the
+            job; default (None): the config's ``stall_timeout`` (of the first mapping in
+            ``args`` that has the key, else its default 1800 s) + 60 s, so that the stall
+            watchdog ends a stuck job first, with a report naming the ranks
+            (:mod:`basetrainer.runtime.watchdog`); 30 minutes with ``stall_timeout: 0``.
         backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, gloo without.
 
     Returns:
@@ -273,7 +300,7 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
             raise ConfigError(f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']} but distributed "
                                f"is off: pass --distributed (or set distributed: true in the config)")
         return main_func(*args)
-    timeout = _timeout(timeout)
+    timeout = _timeout(timeout, args)
     if not isinstance(num_gpus_per_machine, int) or num_gpus_per_machine < 1:
         raise ConfigError(f"num_gpus_per_machine={num_gpus_per_machine!r} must be a positive integer "
                          f"(len(gpu_id))")

@@ -10,8 +10,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from basetrainer.engine import preemption
 from basetrainer.runtime.processes import ProcessTree
+from basetrainer.runtime.watchdog import EXIT_STALL
 
 _PREEMPTED = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+STALL_GRACE = 30.0   # seconds the other ranks get to write their stall files once one rank exited stalled
 
 
 def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
@@ -23,7 +25,10 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     which is then this process's (SystemExit; 128 + the signal this process received, if it got
     one). A SIGTERM/SIGINT to this process is passed on to the ranks as SIGTERM (they may not
     share its process group; a rank keeps the first signal it saw); a second Ctrl-C stops all at
-    once. When it returns or raises, no process of the job (DataLoader workers included) is left.
+    once. A rank that ends stalled (exit :data:`~basetrainer.runtime.watchdog.EXIT_STALL`, after
+    its stall report) lets the others end the same way for up to :data:`STALL_GRACE` seconds, and
+    this process then exits with that status too (SystemExit). When it returns or raises, no
+    process of the job (DataLoader workers included) is left.
     """
     import torch.multiprocessing as mp
 
@@ -55,7 +60,8 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
             if failed is None and exited:
                 failed = exited[0]
                 preempted = procs[failed].exitcode in _PREEMPTED
-                kill_at = time.monotonic() + (grace if preempted else 0.0)
+                stalled = procs[failed].exitcode == EXIT_STALL   # the others write their stall files, then exit
+                kill_at = time.monotonic() + (grace if preempted else STALL_GRACE if stalled else 0.0)
             if kill_at is not None and time.monotonic() >= kill_at:
                 _stop(procs, tree)
                 kill_at = None
@@ -70,6 +76,8 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     codes = [p.exitcode for p in procs]
     if codes[failed] in _PREEMPTED and all(c in _PREEMPTED for c in codes):
         raise SystemExit(128 + received[0] if received else codes[failed])   # this process's own signal
+    if codes[failed] == EXIT_STALL:   # the ranks printed the report (rank 0) and where it is
+        raise SystemExit(EXIT_STALL)
     _raise_failure(context, failed)
 
 

@@ -1,6 +1,7 @@
 """EngineTrainer: the engine plus the ``build_*`` hooks a user fills in."""
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -76,6 +77,8 @@ class EngineTrainer(Engine):
         self.clip_grad_norm = cfg.clip_grad_norm or None
         self.data_wait_warn = float(cfg.data_wait_warn)
         self.channels_last = bool(cfg.channels_last)
+        self.stall_timeout = float(cfg.stall_timeout)   # validated: seconds, 0 = off
+        self.stall_folder = os.path.join(str(cfg.work_dir or ""), "log")
         self._compile_checked = not cfg.compile
         self._model_build: Optional[fsdp_build.BuildAttempt] = None   # while build_model runs (fsdp: for shard)
         self.num_steps = 0      # train batches per epoch (len(train_loader)), not optimizer steps
@@ -212,6 +215,8 @@ class EngineTrainer(Engine):
             seed_per_sample = bool(self.cfg.get("seed_per_sample", True))
         if phase == "train":   # class-balanced resampling (the config's balance key; labels= may be given)
             kwargs.setdefault("balance", self.cfg.get("balance"))
+        if num_workers and self.stall_timeout > 0:   # a worker names the samples it loads when the rank stalls
+            kwargs.setdefault("stall_watch", (self.stall_timeout, self.stall_folder, comm.get_rank()))
         return data.build_dataloader(dataset, batch_size, num_workers, phase=phase, shuffle=shuffle,
                                      pin_memory=pin_memory is not False and self.device.type == "cuda",
                                      drop_last=drop_last, distributed=distributed, seed=self.seed,

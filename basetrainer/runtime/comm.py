@@ -1,13 +1,17 @@
 """Distributed helpers that degrade gracefully.
 
 Every function returns the single-process answer when ``torch.distributed`` is not initialised,
-so the same code runs in every mode and is testable on one CPU process.
+so the same code runs in every mode and is testable on one CPU process. Each collective marks
+itself in the stall watchdog's progress stamp (:mod:`basetrainer.runtime.watchdog`): its name
+and sequence number while it waits, one more progress when it returns.
 """
 import os
 from typing import Any, List
 
 import torch
 import torch.distributed as dist
+
+from basetrainer.runtime.watchdog import collective
 
 
 def is_dist() -> bool:
@@ -40,7 +44,8 @@ def is_main_process() -> bool:
 def synchronize() -> None:
     """Barrier across all processes (no-op in one process)."""
     if is_dist() and get_world_size() > 1:
-        dist.barrier()
+        with collective("barrier"):
+            dist.barrier()
 
 
 def _reduce_device() -> torch.device:
@@ -55,7 +60,8 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     device = tensor.device
     t = tensor.detach().to(_reduce_device(), copy=True)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    with collective("all_reduce_sum"):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.to(device)
 
 
@@ -64,7 +70,8 @@ def all_gather_object(obj: Any) -> List[Any]:
     if not is_dist() or get_world_size() == 1:
         return [obj]
     out: List[Any] = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    with collective("all_gather_object"):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -73,7 +80,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not is_dist() or get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with collective("broadcast_object"):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -82,7 +90,8 @@ def any_true(flag: bool) -> bool:
     if not is_dist() or get_world_size() == 1:
         return bool(flag)
     t = torch.tensor([1.0 if flag else 0.0], device=_reduce_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with collective("any_true"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from basetrainer.runtime.errors import ConfigError, ConfigTypeError, MissingExtraError, PathError
+from basetrainer.runtime.watchdog import check_timeout
 from basetrainer.utils import typed_flags
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,10 @@ ENGINE_KEYS: Dict[str, Tuple[Any, str, str]] = {
                                          "warning; training goes on"),
     "data_wait_warn": (0.3, "number", "a share of an epoch's training (0.3 = 30 %): when a rank waited for its "
                                       "train loader longer, rank 0 logs one line of advice naming it; 0 = never"),
+    "stall_timeout": (1800.0, "number", "seconds a process may go without progress (no train step, test batch or "
+                                        "collective returning) before the job is ended with a report naming each "
+                                        "rank's place and exit status 3; 0 = off. The process group's timeout "
+                                        "is this + 60 s"),
     "schedule_on_resume": ("stretch", "str", "a resume that changes num_epochs: stretch (the LR schedule is "
                                              "recomputed for the new num_epochs and goes on from the step reached) "
                                              "or restart (a new schedule, warm-up included, over the epochs left)"),
@@ -244,6 +249,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"config key 'data_wait_warn' = {cfg['data_wait_warn']!r} must be a share between 0 and 1 "
                           f"(default 0.3: advice when a rank waits for data over 30 % of an epoch's training; "
                           f"0: never)")
+    if "stall_timeout" in cfg:
+        cfg["stall_timeout"] = check_timeout(cfg["stall_timeout"])
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"

@@ -1,0 +1,319 @@
+"""The stall watchdog (issue 36): a rank that stops progressing ends the job within
+``stall_timeout`` with a report naming every rank's place and the rank that differs, exit status
+3 on every process, none left behind, and the last checkpoint loadable. Without the watchdog
+(``stall_timeout: 0``) the same scripts hang until the process group's timeout (30 minutes)."""
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from basetrainer.callbacks.callbacks import Callback
+from basetrainer.engine import launch as launch_mod
+from basetrainer.runtime import processes, stall_report, watchdog
+from basetrainer.utils import setup_config
+
+from conftest import ToyTrainer, free_port, run_script, script_fixture, toy_cfg
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import ToyTrainer, toy_cfg
+    from basetrainer.callbacks.callbacks import Callback
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+    from basetrainer.engine.launch import launch
+
+    def stalled(work):
+        with open(os.path.join(work, "stalled_at"), "w") as f:
+            f.write(repr(time.time()))
+
+    class OneSided(Callback):   # (a) a collective on rank 0 only
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1 and self.trainer.rank == 0:
+                stalled(self.trainer.cfg.work_dir)
+                torch.distributed.all_reduce(torch.ones(1))   # LINE-A
+
+    class Sleeper(Callback):    # (b) one rank asleep in on_epoch_end; (e) one process: a stalled tracker call
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1 and self.trainer.rank == int(os.environ["SLEEPER"]):
+                stalled(self.trainer.cfg.work_dir)
+                time.sleep(3600)   # LINE-B
+
+    class Stuck(torch.utils.data.Dataset):   # (d) a data worker of rank 1 that never returns an item
+        def __init__(self, data):
+            self.data = data
+        def __len__(self):
+            return len(self.data)
+        def __getitem__(self, index):
+            armed = os.path.join(os.environ["WORK"], "armed")
+            if os.environ.get("RANK", "0") == os.environ["STUCK"] and os.path.exists(armed) \\
+                    and not os.path.exists(armed + ".used"):
+                open(armed + ".used", "w").write(str(index))
+                stalled(os.environ["WORK"])
+                time.sleep(3600)   # LINE-D
+            return self.data[index]
+
+    class Arm(Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1 and self.trainer.rank == int(os.environ["STUCK"]):
+                open(os.path.join(self.trainer.cfg.work_dir, "armed"), "w").close()
+
+    class Trainer(ToyTrainer):
+        def build_train_loader(self, cfg, **kwargs):
+            from conftest import blobs
+            data = blobs(cfg.n_train, 4, seed=0)
+            return self.build_dataloader(Stuck(data) if cfg.num_workers else data, cfg.batch_size, cfg.num_workers,
+                                         phase="train")
+
+    def main(work, scenario, stall):
+        open(os.path.join(work, "pids", str(os.getpid())), "w").close()
+        single = scenario.startswith("single")
+        cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=64, work_dir=work, distributed=not single,
+                      stall_timeout=stall, num_workers=1 if scenario.endswith("d") else 0)
+        callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss"),
+                     OneSided() if scenario == "a" else Arm() if scenario.endswith("d") else Sleeper()]
+        Trainer(cfg, callbacks=callbacks).run()
+
+    if __name__ == "__main__":
+        work, scenario, stall, procs = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+        os.makedirs(os.path.join(work, "pids"), exist_ok=True)
+        os.environ["WORK"] = work
+        if "LOCAL_RANK" in os.environ:   # torchrun: the launcher joins its world
+            procs = int(os.environ["LOCAL_WORLD_SIZE"])
+        launch(main, num_gpus_per_machine=procs, distributed=not scenario.startswith("single"),
+               args=(work, scenario, stall))
+""")
+script = script_fixture(SCRIPT, "train_stall.py")
+
+STALL = 2.0
+
+
+def _line(path, marker):
+    with open(path) as f:
+        return next(i for i, text in enumerate(f, start=1) if marker in text)
+
+
+def _stall(script, tmp_path, scenario, procs, sleeper=1, torchrun=False):
+    work = str(tmp_path / "work")
+    env = {**os.environ, "SLEEPER": str(sleeper), "STUCK": str(sleeper)}
+    start = time.monotonic()
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), script, work, scenario, str(STALL), str(procs)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    else:
+        done = run_script(script, work, scenario, STALL, procs, env=env, timeout=180)
+    wall = time.monotonic() - start
+    report = os.path.join(work, "log", stall_report.REPORT)
+    with open(os.path.join(work, "stalled_at")) as f:
+        to_report = os.stat(report).st_mtime - float(f.read())
+    pids = [int(p) for p in os.listdir(os.path.join(work, "pids"))]
+    with open(report) as f:
+        text = f.read()
+    return done, text, to_report, wall, pids, work
+
+
+def _check_common(done, text, to_report, pids, work, procs, status=watchdog.EXIT_STALL):
+    assert done.returncode == status, (done.returncode, done.stderr[-3000:])
+    assert to_report <= STALL + 15, to_report
+    assert not [p for p in pids if processes.running(p)], "a rank outlived the job"
+    assert f"see {os.path.join(work, 'log', stall_report.REPORT)}" in done.stderr
+    assert text in done.stderr   # printed as written
+    for rank in range(procs):
+        assert os.path.isfile(os.path.join(work, "log", f"stall-rank{rank}.txt"))
+    # the last checkpoint (epoch 0's) is whole
+    state = torch.load(os.path.join(work, "model", "last.pth"), weights_only=True)
+    assert state["epoch"] == 0, sorted(state)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_collective_a_callback_runs_on_rank_0_only_is_reported_naming_rank_0_and_the_line(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "a", 2)
+    _check_common(done, text, to_report, pids, work, 2)
+    line = _line(script, "LINE-A")
+    rank0 = next(t for t in text.splitlines() if t.startswith("rank 0"))
+    assert "in callback OneSided.on_epoch_end" in rank0 and f"{script}:{line})" in rank0, text
+    assert "torch.distributed.all_reduce" in rank0, text
+    assert "differs: rank(s) [0]" in text, text
+    assert "waiting in collective #" in next(t for t in text.splitlines() if t.startswith("rank 1")), text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_each_rank_exits_3_and_the_report_names_rank_0(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "a", 2, torchrun=True)
+    _check_common(done, text, to_report, pids, work, 2, status=1)   # torchrun's own status: a child failed
+    assert "exitcode: 3" in done.stderr or "exitcode  : 3" in done.stderr, done.stderr[-3000:]
+    assert "differs: rank(s) [0]" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("procs", [2, 3])
+def test_a_rank_asleep_in_on_epoch_end_is_reported_as_the_rank_that_differs(script, tmp_path, procs):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "b", procs, sleeper=1)
+    _check_common(done, text, to_report, pids, work, procs)
+    rank1 = next(t for t in text.splitlines() if t.startswith("rank 1"))
+    assert "in callback Sleeper.on_epoch_end" in rank1 and f"{script}:{_line(script, 'LINE-B')})" in rank1, text
+    assert "differs: rank(s) [1]" in text, text
+    summary = json.load(open(os.path.join(work, "log", "stall-rank1.json")))
+    assert summary["rank"] == 1 and summary["user"]["function"] == "on_epoch_end"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_process_with_a_stalled_callback_ends_with_the_report_and_exit_status_3(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "single", 1, sleeper=0)
+    _check_common(done, text, to_report, pids, work, 1)
+    assert f"{script}:{_line(script, 'LINE-B')})" in text and "one process" in text, text
+    assert "Sleeper.on_epoch_end" in text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_data_worker_that_hangs_on_one_rank_is_named_with_the_sample_index_it_loads(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "d", 2)
+    _check_common(done, text, to_report, pids, work, 2)
+    with open(os.path.join(work, "armed.used")) as f:
+        index = int(f.read())
+    rank1 = next(t for t in text.splitlines() if t.startswith("rank 1"))
+    assert "waiting for a batch from the DataLoader" in rank1, text
+    assert f"worker 0 (pid " in rank1 and "of rank 1: loading sample index(es)" in rank1, text
+    assert f"[{index}, 1]" in rank1, text    # (index, epoch): the item the worker is stuck in
+    assert f"{script}:{_line(script, 'LINE-D')})" in rank1, text
+    assert "differs: rank(s) [1]" in text, text
+    assert os.path.isfile(os.path.join(work, "log", "stall-rank1-worker0.txt"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_process_with_a_hung_data_worker_names_the_index_and_leaves_no_worker_behind(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "single-d", 1, sleeper=0)
+    _check_common(done, text, to_report, pids, work, 1)
+    with open(os.path.join(work, "armed.used")) as f:
+        index = int(f.read())
+    summary = json.load(open(os.path.join(work, "log", "stall-rank0.json")))
+    worker = summary["workers"][0]
+    assert [index, 1] in worker["loading"], worker
+    assert not processes.running(worker["pid"]), "the hung worker outlived its process"
+
+
+# ------------------------------------------------------------------------------------ in process
+def test_the_watchdog_reports_the_thread_that_stopped_progressing(tmp_path):
+    folder = str(tmp_path / "log")
+    with watchdog.Watchdog(0.3, folder, exit=False, gather=0.5) as dog:
+        time.sleep(2.0)   # STALLED-HERE
+        fired = dog.fired
+    assert fired is not None
+    assert fired["user"]["function"] == "test_the_watchdog_reports_the_thread_that_stopped_progressing"
+    assert fired["user"]["line"] == _line(__file__, "STALLED-HERE")
+    with open(os.path.join(folder, stall_report.REPORT)) as f:
+        report = f.read()
+    assert "one process" in report and "no progress for stall_timeout = 0.3 s" in report
+    with open(os.path.join(folder, "stall-rank0.txt")) as f:
+        assert "in test_the_watchdog_reports_the_thread_that_stopped_progressing" in f.read()
+
+
+def test_progress_keeps_the_watchdog_quiet(tmp_path):
+    with watchdog.Watchdog(0.5, str(tmp_path), exit=False) as dog:
+        for _ in range(20):
+            time.sleep(0.1)
+            watchdog.PROGRESS.count += 1
+        fired = dog.fired
+    assert fired is None and not os.listdir(tmp_path)
+
+
+class Threads(Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_batch_end(self, batch, logs=None):
+        self.seen.append(sorted(t.name for t in threading.enumerate()))
+
+    def on_test_summary(self, *args, **kwargs):
+        self.on_batch_end(0)
+
+
+@pytest.mark.parametrize("stall", [0, 30])
+def test_stall_timeout_0_starts_no_thread_and_the_thread_ends_with_the_run(tmp_path, stall):
+    seen = Threads()
+    t = ToyTrainer(toy_cfg(num_epochs=1, n_train=32, n_test=16, work_dir=str(tmp_path), stall_timeout=stall),
+                   callbacks=[seen])
+    t.run()
+    t.evaluate()
+    t.predict(t.test_loader)
+    # 2 steps, 1 test batch, evaluate()'s test batch
+    watching = [names.count("basetrainer-stall-watchdog") for names in seen.seen]
+    assert len(watching) == 2 + 1 + 1 and all(w == bool(stall) for w in watching), seen.seen
+    assert "basetrainer-stall-watchdog" not in [t.name for t in threading.enumerate()]
+
+
+def test_stall_timeout_is_a_config_key_with_a_default_and_refuses_a_bad_value():
+    assert setup_config.engine_defaults().stall_timeout == watchdog.DEFAULT_STALL_TIMEOUT == 1800
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"config key 'stall_timeout' = .* must be >= 0 and finite"):
+            setup_config.validate(setup_config.Config(stall_timeout=bad))
+    with pytest.raises(TypeError, match="config key 'stall_timeout' = 'soon'"):
+        setup_config.validate(setup_config.Config(stall_timeout="soon"))
+    cfg = setup_config.Config(stall_timeout="5")   # YAML 1.1 may give a string
+    setup_config.validate(cfg)
+    assert cfg.stall_timeout == 5.0
+
+
+def test_the_process_group_timeout_follows_stall_timeout(caplog):
+    cfg = setup_config.Config(stall_timeout=5)
+    assert launch_mod._timeout(None, ("x", cfg)) == datetime.timedelta(seconds=5 + watchdog.GROUP_MARGIN)
+    assert launch_mod._timeout(None, ()) == datetime.timedelta(seconds=1800 + watchdog.GROUP_MARGIN)
+    assert launch_mod._timeout(None, (setup_config.Config(stall_timeout=0),)) == launch_mod.DEFAULT_TIMEOUT
+    with caplog.at_level(logging.WARNING):
+        assert launch_mod._timeout(10, (cfg,)) == datetime.timedelta(seconds=10)
+    assert "shorter than stall_timeout" in caplog.text
+
+
+def _summary(rank, seq, collective="", torch_collective="", user="loop", callback=""):
+    return {"rank": rank, "pid": 1, "host": "h", "time": 0.0, "stall_timeout": 3, "seq": seq,
+            "collective": collective, "torch_collective": torch_collective, "callback": callback,
+            "user": {"file": "u.py", "line": 1, "function": user}, "library": None, "innermost": None}
+
+
+def test_the_report_names_the_odd_rank_out_of_three_and_the_one_behind_of_two():
+    three = {0: _summary(0, 7, "any_true"), 1: _summary(1, 6, user="cb"), 2: _summary(2, 7, "any_true")}
+    assert stall_report.differs(three, 3).startswith("differs: rank(s) [1];")
+    two = {0: _summary(0, 6, torch_collective="all_reduce", user="cb"), 1: _summary(1, 7, "any_true")}
+    assert stall_report.differs(two, 2).startswith("differs: rank(s) [0]:")
+    same = {r: _summary(r, 7, "any_true") for r in range(2)}
+    assert stall_report.differs(same, 2).startswith("no rank differs")
+    assert stall_report.differs({0: three[0]}, 2).startswith("differs: rank(s) [1] (no summary)")
+
+
+def test_the_watchdog_lets_a_checkpoint_write_of_the_stalled_thread_finish_before_it_exits(tmp_path, monkeypatch):
+    from basetrainer.runtime import atomic
+
+    path = str(tmp_path / "last.pth")
+    real, alive = torch.save, []
+
+    def slow_save(obj, f):   # the write takes longer than stall_timeout
+        time.sleep(1.5)
+        alive.append(dog.thread is not None and dog.thread.is_alive())   # the watchdog reported, and waits
+        real(obj, f)
+
+    monkeypatch.setattr(atomic.torch, "save", slow_save)
+    with watchdog.Watchdog(0.3, str(tmp_path / "log"), exit=False, gather=0.2) as dog:
+        started = time.monotonic()
+        atomic.write_atomically({"epoch": 3}, path)
+        written = time.monotonic() - started
+        while dog.thread is not None and dog.thread.is_alive():
+            time.sleep(0.05)
+    # the report came during the write, and the watchdog waited for the write to end
+    assert dog.fired is not None and written >= 1.5 and alive == [True]
+    assert torch.load(path, weights_only=True) == {"epoch": 3}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import ROOT, ToyTrainer, blobs, toy_cfg
+from conftest import ROOT, ToyTrainer, blobs, run_distributed, toy_cfg
 
 PY = sys.executable
 
@@ -254,3 +254,32 @@ def test_workers_are_not_forked_while_an_earlier_loaders_feeder_threads_end():
     assert out.returncode == 0, out.stderr[-3000:]
     # two forks for the first DataLoader (after the synthetic iterator), two for the second
     assert out.stdout.split("\n")[-2] == "[0, 0, 0, 0]", out.stdout
+
+
+def _fork_after_collective(rank):
+    import time
+
+    import torch.distributed as dist
+
+    from basetrainer.engine import preemption
+
+    gaps, returned = [], []
+    os.register_at_fork(before=lambda: gaps.append(time.monotonic() - returned[-1]) if returned else None)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    returned.append(time.monotonic())
+    for _ in preemption.start(DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=4,
+                                         num_workers=2, multiprocessing_context="fork")):   # as under launch()
+        pass
+    return gaps
+
+
+@pytest.mark.distributed
+def test_in_a_process_group_workers_are_forked_after_the_backends_threads_had_time_to_finish(tmp_path):
+    """gloo's threads may enter Python right after a collective returns, making a thread state
+    without the GIL under the lock a fork must not copy held (gh-112275): start() releases the
+    GIL for QUIET_S before it forks (seen: a rank's predict() worker hung at birth)."""
+    from basetrainer.engine import preemption
+
+    for gaps in run_distributed(_fork_after_collective, 2, tmp_path, timeout=120):
+        assert len(gaps) == 2 and min(gaps) >= preemption.QUIET_S, gaps

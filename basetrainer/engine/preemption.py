@@ -105,6 +105,8 @@ def start(loader: Any) -> Iterator[Any]:
     forks = bool(getattr(loader, "num_workers", 0)) or not isinstance(loader, DataLoader)
     if forks:
         settle_threads()
+        if comm.is_dist() and getattr(loader, "num_workers", 0):
+            time.sleep(QUIET_S)   # the backend's threads finish the last collective (see QUIET_S)
     before = set(threading.enumerate()) if forks else set()
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         it = iter(loader)
@@ -136,6 +138,13 @@ def start(loader: Any) -> Iterator[Any]:
 # end when its workers are shut down (the loop ran out of batches, or end_workers) — just when
 # the next loop forks its own (seen twice: predict()'s worker stuck in os.fork after evaluate()).
 FEEDER = "QueueFeederThread"
+# In a process group, the backend's own threads (gloo's run loops) may enter Python just after a
+# collective returns (to free the Python side of its tensors), and entering makes a thread state
+# under that same lock, without the GIL: a fork at that moment has the same fate. The loops fork
+# right after a collective (predict() after its first all_gather, an epoch's loader after the
+# epoch's figures), so start() first gives those threads this long, the GIL released. Seen: 1 hang
+# in about 15 runs of the generated DDP configs on 2 loaded cores with the threads above joined.
+QUIET_S = 0.2
 SETTLE_S = 2.0   # at most this long in all, for the threads of an iterator still in use elsewhere
 _threads: List[Tuple[Any, bool, List[threading.Thread]]] = []
 

@@ -283,3 +283,22 @@ def test_in_a_process_group_workers_are_forked_after_the_backends_threads_had_ti
 
     for gaps in run_distributed(_fork_after_collective, 2, tmp_path, timeout=120):
         assert len(gaps) == 2 and min(gaps) >= preemption.QUIET_S, gaps
+
+
+def test_a_loader_still_being_read_does_not_hold_up_another_loaders_start():
+    """evaluate() from a callback in the middle of an epoch: the train iterator's feeder threads
+    live on, so start() must not wait for them (it waited its 2 s cap, then forgot them)."""
+    import time
+
+    from basetrainer.engine import preemption
+
+    data = torch.utils.data.TensorDataset(torch.arange(64.0))
+    reading = preemption.start(DataLoader(data, batch_size=4, num_workers=2))
+    next(reading)
+    begin = time.monotonic()
+    for _ in preemption.start(DataLoader(data, batch_size=32, num_workers=1)):
+        pass
+    took = time.monotonic() - begin
+    assert took < 1.5, took
+    assert any(ref() is reading for ref, _, _ in preemption._threads)   # still watched, for when it ends
+    del reading

@@ -125,8 +125,7 @@ def start(loader: Any) -> Iterator[Any]:
         _started[id(loader)] = ref
         feeders = [t for t in threading.enumerate() if t not in before and t.name == FEEDER]
         if feeders:
-            persistent = getattr(loader, "persistent_workers", False) or getattr(it, "_persistent_workers", False)
-            _threads.append((ref, bool(persistent), feeders))
+            _threads.append((ref, False, feeders))
     return it
 
 
@@ -146,18 +145,19 @@ FEEDER = "QueueFeederThread"
 # in about 15 runs of the generated DDP configs on 2 loaded cores with the threads above joined.
 QUIET_S = 0.2
 SETTLE_S = 2.0   # at most this long in all, for the threads of an iterator still in use elsewhere
-_threads: List[Tuple[Any, bool, List[threading.Thread]]] = []
+_threads: List[Tuple[Any, bool, List[threading.Thread]]] = []   # (the iterator, its workers stopped, its feeders)
 
 
 def settle_threads(timeout: float = SETTLE_S) -> None:
-    """Join the feeder threads of the iterators :func:`start` made that are done with them: every
-    iterator but a persistent-workers one still alive (its DataLoader reuses it, and its threads
-    live on); at most ``timeout`` seconds in all (an iterator still being read elsewhere)."""
+    """Join the feeder threads of the iterators :func:`start` made that are done: freed (its
+    workers were shut down), or whose workers :func:`end_workers` stopped. An iterator still
+    alive keeps its threads (its loop may still be reading, or its DataLoader reuses it:
+    persistent workers). At most ``timeout`` seconds in all."""
     deadline = time.monotonic() + timeout
     keep = []
-    for ref, persistent, threads in _threads:
-        if persistent and ref() is not None:
-            keep.append((ref, persistent, threads))
+    for ref, stopped, threads in _threads:
+        if ref() is not None and not stopped:
+            keep.append((ref, stopped, threads))
             continue
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -206,7 +206,7 @@ def _stop_workers(loader: Any, last: Any) -> None:
         except Exception as e:  # torch's shutdown is not meant to raise
             logger.warning("stopping the DataLoader workers failed: %s", e)
         # its feeder threads are ending now: joined before the next fork, persistent or not
-        _threads[:] = [(ref, persistent and ref() is not it, threads) for ref, persistent, threads in _threads]
+        _threads[:] = [(ref, stopped or ref() is it, threads) for ref, stopped, threads in _threads]
     if own is not None:
         loader._iterator = None   # the next epoch (a later run()) starts new workers
 

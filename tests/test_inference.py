@@ -254,8 +254,8 @@ def test_evaluate_and_predict_over_2_and_3_ranks_equal_one_process(tmp_path, pro
     assert len(_csv(one["csv"])) == 1 + N_TEST and len(_csv(one["images"])) == 1 + 12
 
 
-def _predict_with_a_broken_image(rank, root, output):
-    t = RowTrainer(_cfg(distributed=True, gpu_id=[0, 1]), callbacks=_recorders())
+def _predict_with_a_broken_image(rank, root, output, strategy="ddp"):
+    t = RowTrainer(_cfg(distributed=True, gpu_id=[0, 1], strategy=strategy), callbacks=_recorders())
     try:
         t.predict(root, output=output, transform=flat16)
     except Exception as e:
@@ -264,10 +264,14 @@ def _predict_with_a_broken_image(rank, root, output):
 
 
 @pytest.mark.distributed
-def test_a_rank_that_fails_inside_predict_makes_every_rank_raise_instead_of_waiting(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_that_fails_inside_predict_makes_every_rank_raise_instead_of_waiting(tmp_path, strategy):
+    """Under fsdp the failure is agreed before the forward, which all-gathers (it waited out the
+    group's timeout: hostile pass)."""
     root = _images(tmp_path)
     (tmp_path / "images" / "a" / "1.png").write_bytes(b"not a png")   # sample 1: rank 1's first batch
-    messages = run_distributed(_predict_with_a_broken_image, 2, tmp_path, root, str(tmp_path / "p.csv"), timeout=120)
+    messages = run_distributed(_predict_with_a_broken_image, 2, tmp_path, root, str(tmp_path / "p.csv"), strategy,
+                               timeout=120)
     assert "1.png" in messages[1] and "no error" not in messages[1]
     assert messages[0].startswith("RuntimeError: predict() failed on rank 1: ") and "1.png" in messages[0]
     assert not os.path.exists(tmp_path / "p.csv") and not [f for f in os.listdir(tmp_path) if ".part" in f]

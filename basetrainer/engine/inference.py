@@ -92,59 +92,67 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     _check_model(engine, "predict")
     if checkpoint:
         load_checkpoint(engine, checkpoint)
-    rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
-    # a failure of one rank before the rounds (the file opened on the main process only, a rank's
-    # workers not starting) is agreed in the first round, as a batch's: no other rank waits for it
-    writer, error = None, None
-    if output is not None and comm.is_main_process():
+    with engine.stall_watchdog():   # from the first collective: a rank that never comes is reported
+        rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
+        # a failure of one rank before the rounds (the file opened on the main process only, a rank's
+        # workers not starting) is agreed in the first round, as a batch's: no other rank waits for it
+        writer, error = None, None
+        if output is not None and comm.is_main_process():
+            try:
+                writer = writers.open_writer(output)
+            except Exception as e:
+                error = e
+        if writer is not None and names is not None:
+            writer = _WithIds(writer, names)
+        collector = ordered.OrderedCollector(dst=0 if output is not None else None, writer=writer)
+        wrapped, training = engine.model, engine.model.training
+        engine.model = _forward_model(wrapped)
+        engine.model.eval()
+        placeholder, result = None, [None]
+        progress = watchdog.PROGRESS
         try:
-            writer = writers.open_writer(output)
-        except Exception as e:
-            error = e
-    if writer is not None and names is not None:
-        writer = _WithIds(writer, names)
-    collector = ordered.OrderedCollector(dst=0 if output is not None else None, writer=writer)
-    wrapped, training = engine.model, engine.model.training
-    engine.model = _forward_model(wrapped)
-    engine.model.eval()
-    placeholder, result = None, [None]
-    progress = watchdog.PROGRESS
-    try:
-        with torch.no_grad(), engine.stall_watchdog():
-            batches = None
-            if error is None:
-                try:
-                    batches = preemption.start(loader)
-                except Exception as e:
-                    error = e
-            for _ in range(rounds):
-                outputs = None
+            with torch.no_grad():
+                batches = None
                 if error is None:
                     try:
-                        batch = next(batches, None)
-                        if batch is not None:
-                            outputs = _forward(engine, engine.to_device(batch))
-                            _check_outputs(outputs, collector)
-                        elif sharding.is_fsdp(engine.model):   # every rank forwards as often (FSDP all-gathers)
-                            placeholder = placeholder or _placeholder(engine, loader)
-                            _forward(engine, placeholder)
+                        batches = preemption.start(loader)
                     except Exception as e:
                         error = e
-                _agree(error)   # one collective a round: no rank waits for one that failed
-                progress.count += 1   # the stall watchdog's stamp
-                error = _guarded(collector.add, outputs)   # a writer's failure: on the main process only
-            if error is None:
-                error = _guarded(lambda: result.__setitem__(0, collector.finish()))
-            _agree(error)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    finally:
-        engine.model = wrapped
-        engine.model.train(training)
-        if built:
-            preemption.end_workers(loader)
+                fsdp = sharding.is_fsdp(engine.model)
+                for _ in range(rounds):
+                    outputs, batch = None, None
+                    if error is None:
+                        try:
+                            batch = next(batches, None)
+                        except Exception as e:
+                            error = e
+                    if fsdp:   # FSDP's forward all-gathers: a rank that failed to load must not leave it alone
+                        _agree(error)
+                    if error is None:
+                        try:
+                            if batch is not None:
+                                outputs = _forward(engine, engine.to_device(batch))
+                                _check_outputs(outputs, collector)
+                            elif fsdp:   # every rank forwards as often
+                                placeholder = placeholder or _placeholder(engine, loader)
+                                _forward(engine, placeholder)
+                        except Exception as e:
+                            error = e
+                    _agree(error)   # one collective a round: no rank waits for one that failed
+                    progress.count += 1   # the stall watchdog's stamp
+                    error = _guarded(collector.add, outputs)   # a writer's failure: on the main process only
+                if error is None:
+                    error = _guarded(lambda: result.__setitem__(0, collector.finish()))
+                _agree(error)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        finally:
+            engine.model = wrapped
+            engine.model.train(training)
+            if built:
+                preemption.end_workers(loader)
     if output is None:
         return result[0]
     comm.synchronize()

@@ -232,6 +232,21 @@ def test_progress_keeps_the_watchdog_quiet(tmp_path):
     assert fired is None and not os.listdir(tmp_path)
 
 
+def test_a_process_alone_is_not_stopped_by_another_process_trigger_in_its_folder(tmp_path):
+    """A healthy run of one process was ended (exit 3, "rank 0 stops because rank 0 stalled") by
+    the trigger a stalled evaluate() of the same work_dir wrote, or by a file of a skewed clock."""
+    trigger = tmp_path / watchdog.TRIGGER
+    trigger.write_text("0")
+    later = time.time() + 120
+    os.utime(trigger, (later, later))
+    with watchdog.Watchdog(2.0, str(tmp_path), exit=False) as dog:
+        for pause in (0.1, 1.0, 0.1):   # a step of 1 s: under stall_timeout, but the trigger is looked at
+            time.sleep(pause)
+            watchdog.PROGRESS.count += 1
+        fired = dog.fired
+    assert fired is None and sorted(os.listdir(tmp_path)) == [watchdog.TRIGGER]
+
+
 class Threads(Callback):
     def __init__(self):
         super().__init__()

@@ -158,7 +158,9 @@ class Watchdog:
             if now - since >= self.timeout:
                 self.report(now - since, announced_by=None)
                 return
-            by = announced(trigger, self._started)
+            # another rank's stall (a job of one process has none: a trigger there is another
+            # process's, e.g. an evaluate() of the same work_dir, or a clock skewed file)
+            by = announced(trigger, self._started) if self.world_size > 1 else None
             if by is not None:
                 self.report(now - since, announced_by=by)
                 return

@@ -293,6 +293,13 @@ def test_the_process_group_timeout_follows_stall_timeout(caplog):
     with caplog.at_level(logging.WARNING):
         assert launch_mod._timeout(10, (cfg,)) == datetime.timedelta(seconds=10)
     assert "shorter than stall_timeout" in caplog.text
+    # an argparse namespace (the trainer takes one) and a number written as a string, as the trainer
+    # reads them (hostile pass: the namespace's 3600 s gave a 31 min group timeout, "5" was refused)
+    import argparse
+
+    assert launch_mod._timeout(None, (argparse.Namespace(stall_timeout=3600),)) == \
+        datetime.timedelta(seconds=3600 + watchdog.GROUP_MARGIN)
+    assert launch_mod._timeout(None, ({"stall_timeout": "5"},)) == datetime.timedelta(seconds=5 + watchdog.GROUP_MARGIN)
 
 
 def _summary(rank, seq, collective="", torch_collective="", user="loop", callback=""):

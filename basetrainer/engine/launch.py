@@ -4,6 +4,7 @@
 job with several tasks -> this process joins that world; otherwise it spawns
 ``num_gpus_per_machine`` processes on this machine (NCCL on GPUs, gloo on the CPU).
 """
+import argparse
 import datetime
 import functools
 import gc
@@ -66,11 +67,22 @@ def _resolve_url(dist_url: Optional[str], num_machines: int) -> str:
 
 
 def _stall_timeout(args: Sequence) -> float:
-    """The ``stall_timeout`` of the config among ``args`` (the first mapping that has the key),
+    """The ``stall_timeout`` of the config among ``args`` (the first mapping or argparse
+    namespace that has the key; a number written as a string counts, as the trainer reads it),
     else its default."""
     for arg in args:
         if isinstance(arg, Mapping) and "stall_timeout" in arg:
-            return watchdog.check_timeout(arg["stall_timeout"])
+            value = arg["stall_timeout"]
+        elif isinstance(arg, argparse.Namespace) and hasattr(arg, "stall_timeout"):
+            value = arg.stall_timeout
+        else:
+            continue
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass   # refused below, naming the key
+        return watchdog.check_timeout(value)
     return watchdog.DEFAULT_STALL_TIMEOUT
 
 

@@ -283,6 +283,12 @@ def test_stall_timeout_is_a_config_key_with_a_default_and_refuses_a_bad_value():
     cfg = setup_config.Config(stall_timeout="5")   # YAML 1.1 may give a string
     setup_config.validate(cfg)
     assert cfg.stall_timeout == 5.0
+    # a tracker call may take tracker_deadline: a shorter stall_timeout ended the run (exit 3) where the
+    # tracker would have been switched off with a warning (hostile pass)
+    with pytest.raises(ValueError, match="give stall_timeout more than tracker_deadline"):
+        setup_config.validate(setup_config.Config(stall_timeout=3, tracker_deadline=6, loggers=["csv", "mlflow"]))
+    setup_config.validate(setup_config.Config(stall_timeout=3, tracker_deadline=6, loggers=["csv"]))   # no tracker
+    setup_config.validate(setup_config.Config(stall_timeout=0, tracker_deadline=6, loggers=["wandb"]))  # off
 
 
 def test_the_process_group_timeout_follows_stall_timeout(caplog):

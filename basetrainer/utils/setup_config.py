@@ -251,6 +251,13 @@ def validate(cfg: Any) -> None:
                           f"0: never)")
     if "stall_timeout" in cfg:
         cfg["stall_timeout"] = check_timeout(cfg["stall_timeout"])
+    trackers = [x for x in (cfg.get("loggers") or []) if str(x).lower() in ("mlflow", "wandb")]
+    deadline = cfg.get("tracker_deadline") or ENGINE_KEYS["tracker_deadline"][0]
+    if trackers and cfg.get("stall_timeout") and deadline >= cfg["stall_timeout"]:
+        raise ConfigError(f"config keys 'stall_timeout' = {cfg['stall_timeout']!r} and 'tracker_deadline' = "
+                          f"{deadline!r}: a call to {', '.join(trackers)} may take tracker_deadline seconds, which "
+                          f"the stall watchdog would end the job for; give stall_timeout more than "
+                          f"tracker_deadline (or stall_timeout: 0)")
     for key in ("num_workers", "num_warn_up", "weight_decay", "clip_grad_norm", "momentum"):
         value = cfg.get(key) if key in cfg else None
         if value is not None and (not math.isfinite(value) or value < 0):   # NaN passes a plain "< 0"

@@ -87,6 +87,25 @@ def test_a_work_dir_that_cannot_be_made_or_written_is_refused_before_anything_is
         run_folder.check_writable(str(tmp_path / "new" / "w"))
 
 
+def test_a_finished_run_kept_read_only_can_still_be_continued_or_evaluated(tmp_path, monkeypatch):
+    """The read-only check is for a run that will write: resume: auto of a finished run (to
+    evaluate it) writes nothing (it was refused: hostile pass)."""
+    from conftest import ToyTrainer, toy_cfg
+
+    from basetrainer.callbacks.losses_recorder import LossesRecorder
+    from basetrainer.callbacks.model_checkpoint import ModelCheckpoint
+
+    work = str(tmp_path / "work")
+    ToyTrainer(toy_cfg(num_epochs=1, n_train=32, n_test=8, work_dir=work),
+               callbacks=[LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss",
+                                                            async_save=False)]).run()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)   # as on a read-only mount
+    t = ToyTrainer(toy_cfg(num_epochs=1, n_train=32, n_test=8, work_dir=work, resume="auto"))
+    assert t.cfg.resume
+    with pytest.raises(errors.FolderError, match="cannot be written"):   # a new run would write there
+        ToyTrainer(toy_cfg(num_epochs=1, n_train=32, n_test=8, work_dir=str(tmp_path / "other")))
+
+
 def test_a_missing_extra_names_its_pip_command_once(monkeypatch, tmp_path):
     from basetrainer.deploy.export import export_model
 

@@ -606,6 +606,10 @@ def test_a_run_still_training_elsewhere_is_never_joined_nor_moved(tmp_path, how)
             run(work, epochs=2, lr=0.05, **how)     # (overwrite moved A's live folder aside first)
         assert f"process {proc.pid}" in str(err.value) and "still training" in str(err.value)
         assert isinstance(err.value, UsageError)   # a command prints it as one line, exit 2
+        # refused when the trainer is made, before a script writes its config or log into the folder
+        # (the example's constructor overwrote the live run's setup_config.yaml: hostile pass)
+        with pytest.raises(UsageError, match="still training"):
+            ToyTrainer(toy_cfg(num_epochs=2, n_train=64, n_test=16, work_dir=str(work), **how))
         assert digests(work) == before
         assert sorted(os.listdir(tmp_path)) == ["a.py", "work"]   # nothing moved aside
         go.touch()

@@ -91,11 +91,13 @@ def claim_work_dir(cfg: Any) -> None:
     work_dir, resume, overwrite = cfg.get("work_dir"), cfg.get("resume") or "", bool(cfg.get("overwrite"))
 
     def decide() -> Optional[str]:
-        run_folder.check_writable(work_dir)
-        atomic.remove_stale_temps(work_dir)
         found = run_folder.find_runs(work_dir)
         continuing = resume == "auto" or (resume and _inside(resume, work_dir))
+        # a new run writes; continuing one may only read it (evaluate a finished run kept read-only)
+        run_folder.check_writable(work_dir, writes=not (found and continuing and not overwrite))
+        atomic.remove_stale_temps(work_dir)
         if not found or (continuing and not overwrite):
+            run_folder.check_none_running(found)   # before the script writes its config or log there
             return resume
         if not overwrite:
             raise run_folder.refusal(f"work_dir={work_dir!r}", found)

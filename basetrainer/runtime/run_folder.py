@@ -94,9 +94,10 @@ def running_elsewhere(marker: Optional[dict]) -> bool:
     return marker.get("pid_started") is None or info is None or info[2] == marker["pid_started"]
 
 
-def check_writable(folder: str, key: str = "work_dir") -> None:
+def check_writable(folder: str, key: str = "work_dir", writes: bool = True) -> None:
     """Refuse, before anything is written, a ``folder`` that cannot be made or written: the
-    nearest part of its path that exists must be a folder this user may write into.
+    nearest part of its path that exists must be a folder this user may write into (with
+    ``writes=False``, only be a folder: a finished run kept read-only can still be evaluated).
 
     Raises:
         FolderError (an OSError): naming ``key``, the path and the part that stops it.
@@ -107,7 +108,7 @@ def check_writable(folder: str, key: str = "work_dir") -> None:
     if not os.path.isdir(probe):
         raise FolderError(f"{key}={folder!r} cannot be made: {probe} is a file, not a folder; "
                           f"give {key} a folder path")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if writes and not os.access(probe, os.W_OK | os.X_OK):
         raise FolderError(f"{key}={folder!r} cannot be written: {probe} is read-only for this user "
                           f"(or on a read-only disk); give {key} a folder you can write")
 

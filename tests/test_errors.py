@@ -106,6 +106,19 @@ def test_a_finished_run_kept_read_only_can_still_be_continued_or_evaluated(tmp_p
         ToyTrainer(toy_cfg(num_epochs=1, n_train=32, n_test=8, work_dir=str(tmp_path / "other")))
 
 
+def test_a_file_where_a_run_makes_a_folder_is_one_user_error(tmp_path):
+    """A file named ``model`` or ``log`` in work_dir: the example exited 1 with a FileExistsError
+    traceback (hostile pass)."""
+    from basetrainer.utils.file_utils import create_dir
+
+    (tmp_path / "model").write_text("")
+    for sub in ("model", os.path.join("model", "best")):
+        with pytest.raises(errors.FolderError) as info:
+            create_dir(str(tmp_path / sub))
+        assert str(info.value) == (f"cannot make the folder {str(tmp_path / sub)!r}: {tmp_path / 'model'} is a file, "
+                                   f"not a folder; remove or rename it, or give work_dir another folder")
+
+
 def test_a_missing_extra_names_its_pip_command_once(monkeypatch, tmp_path):
     from basetrainer.deploy.export import export_model
 

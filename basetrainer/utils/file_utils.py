@@ -8,9 +8,22 @@ logger = logging.getLogger(__name__)
 
 
 def create_dir(path: str) -> str:
-    """Create ``path`` (and its parents) if missing; return it."""
+    """Create ``path`` (and its parents) if missing; return it.
+
+    Raises:
+        FolderError (an OSError and a user error): a file stands where a folder of the path must be.
+    """
     if path:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            from basetrainer.runtime.errors import FolderError
+
+            blocker = os.path.abspath(path)   # the part of the path that is a file
+            while os.path.dirname(blocker) != blocker and not (os.path.exists(blocker) and not os.path.isdir(blocker)):
+                blocker = os.path.dirname(blocker)
+            raise FolderError(f"cannot make the folder {path!r}: {blocker} is a file, not a folder; remove or "
+                              f"rename it, or give work_dir another folder") from None
     return path
 
 

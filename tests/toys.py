@@ -111,9 +111,11 @@ class ToyTrainer(trainer_mod.EngineTrainer):
 
 
 def toy_cfg(**overrides: Any) -> setup_config.Config:
-    """A small config: CPU, no progress bars, 2 epochs, batch 16, lr 0.1."""
+    """A small config: CPU, no progress bars, 2 epochs, batch 16, lr 0.1, no data-wait advice (a
+    toy's steps take microseconds, so its loader's share of an epoch can pass the 30 % of
+    data_wait_warn on a loaded machine, and a line would be added to the logs tests read)."""
     cfg = setup_config.Config(gpu_id=[], progress=False, num_epochs=2, batch_size=16, lr=0.1, log_freq=2,
-                              work_dir="", seed=0)
+                              work_dir="", seed=0, data_wait_warn=0)
     cfg.update(overrides)
     return cfg
 

@@ -35,6 +35,24 @@ def delegated(name: str, settable: bool = False) -> property:
                     doc=f"``self.checkpointer.{name}`` (see :class:`Checkpointer`).")
 
 
+# the engine's attributes that are its checkpointer's (name on the engine: name here, settable)
+POSITION = {"epoch": ("epoch", True), "phase": ("phase", True),   # phase: train | test | end
+            "batch_in_epoch": ("batch_in_epoch", True),            # train steps done in the epoch
+            "global_step": ("global_step", True),                  # optimizer steps taken so far
+            "start_epoch": ("start_epoch", True),                  # where the next run() starts
+            "run_id": ("run_id", True), "epoch_complete": ("epoch_complete", False),
+            "checkpoint_folder": ("folder", False), "request_checkpoint": ("request", False),
+            "state_dict": ("state_dict", False), "load_state_dict": ("load", False)}
+
+
+def with_position(cls: type) -> type:
+    """Give the engine class the :data:`POSITION` attributes: where the run is and its
+    checkpoints, read and written through the engine by the names callbacks use."""
+    for name, (attr, settable) in POSITION.items():
+        setattr(cls, name, delegated(attr, settable=settable))
+    return cls
+
+
 class Checkpointer:
     """Saves and restores the run of ``engine`` (see the module's docstring).
 

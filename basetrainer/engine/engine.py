@@ -14,7 +14,7 @@ from torch import nn
 from basetrainer.callbacks.callbacks import Callback, CallbackList
 from basetrainer.dataloader import loader as loaders
 from basetrainer.engine import data_wait, precision
-from basetrainer.engine.checkpointer import Checkpointer, delegated
+from basetrainer.engine.checkpointer import Checkpointer, with_position
 from basetrainer.engine.checks import check_ready
 from basetrainer.engine.guard import NonFiniteGuard, total_loss
 from basetrainer.engine.history import History
@@ -27,6 +27,7 @@ from basetrainer.runtime.modules import unwrap_model
 logger = logging.getLogger(__name__)
 
 
+@with_position   # epoch, phase, global_step, ...: the checkpointer's (checkpointer.POSITION)
 class Engine:
     """The loop. Set ``model``, ``optimizer``, ``criterion``, ``train_loader`` (and optionally
     ``test_loader``, ``callbacks``, ``num_epochs``, ``device``), then call :meth:`run`.
@@ -71,25 +72,12 @@ class Engine:
         self._updated = True            # the last step ended its accumulation window
         self._compile_checked = True
         self._buffer_sync: Optional[Callable[[], None]] = None   # ddp/fsdp: rank 0's buffers to all, each step
-        self.data_wait_warn = 0.3       # rank 0 advises when a rank waits for data longer than this share (0: never)
-        self.data_wait: Optional[data_wait.DataWait] = None   # the last train phase's data-stall meter, every rank's
-        self.stall_timeout = watchdog.DEFAULT_STALL_TIMEOUT   # seconds without progress before a stall report (0: off)
-        self.stall_folder = "log"       # where the stall report goes (the trainer: work_dir/log)
+        # the data-stall meter: advice over this share of waiting (0: never); the last train phase's DataWait
+        self.data_wait_warn, self.data_wait = 0.3, None
+        # the stall watchdog: seconds without progress before a report (0: off), in this folder (work_dir/log)
+        self.stall_timeout, self.stall_folder = watchdog.DEFAULT_STALL_TIMEOUT, "log"
 
     # ----------------------------------------------------------------------------- checkpoints
-    # where the run is and its checkpoints: self.checkpointer's (checkpointer.py), by the names callbacks use
-    epoch = delegated("epoch", settable=True)
-    phase = delegated("phase", settable=True)                    # train | test | end
-    batch_in_epoch = delegated("batch_in_epoch", settable=True)  # train steps done in the epoch
-    global_step = delegated("global_step", settable=True)        # optimizer steps taken so far
-    start_epoch = delegated("start_epoch", settable=True)        # where the next run() starts
-    run_id = delegated("run_id", settable=True)
-    epoch_complete = delegated("epoch_complete")
-    checkpoint_folder = delegated("folder")
-    request_checkpoint = delegated("request")
-    state_dict = delegated("state_dict")
-    load_state_dict = delegated("load")
-
     def save_checkpoint(self, path: Optional[str] = None, background: bool = False) -> Optional[str]:
         """A resumable checkpoint of this point (``Checkpointer.save``); inside an accumulation window, at its end."""
         return self.checkpointer.save(path, background, in_window=not self._updated)
@@ -254,8 +242,7 @@ class Engine:
     @torch.no_grad()
     def run_test_epoch(self, epoch: int, logs: dict) -> None:
         wrapped = self.model
-        # DDP's forward may talk to the other ranks; ranks hold different numbers of test
-        # batches (exact sharding), so evaluation runs on the unwrapped module.
+        # DDP's forward may talk to the other ranks, which hold other numbers of test batches
         if isinstance(wrapped, nn.parallel.DistributedDataParallel):
             self.model = wrapped.module
         self.model.eval()
@@ -278,15 +265,9 @@ class Engine:
             self.model = wrapped
 
     def run_step(self, inputs: Any) -> Tuple[Any, Any]:
-        """One forward pass: ``(outputs, losses)``. Override for other batch shapes or models.
-
-        Args:
-            inputs: a batch from the loader, already on ``self.device``; by default
-                ``(data, targets)``.
-
-        Returns:
-            ``(outputs, losses)``; losses may be a tensor, a tuple or a dict of tensors.
-        """
+        """One forward pass of ``inputs`` (a batch on ``self.device``; by default ``(data,
+        targets)``): ``(outputs, losses)``, losses a tensor, a tuple or a dict of tensors.
+        Override for other batch shapes or models."""
         if isinstance(inputs, dict) or not isinstance(inputs, (list, tuple)) or len(inputs) < 2:
             raise TypeError(f"the default run_step takes (inputs, targets) batches, got a {type(inputs).__name__}"
                             + (f" with keys {sorted(inputs)}" if isinstance(inputs, dict) else "")

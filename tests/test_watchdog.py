@@ -17,6 +17,7 @@ import torch
 
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.engine import launch as launch_mod
+from basetrainer.engine import spawn as spawn_mod
 from basetrainer.runtime import processes, stall_report, watchdog
 from basetrainer.utils import setup_config
 
@@ -67,6 +68,16 @@ SCRIPT = textwrap.dedent("""
                 open(os.path.join(self.trainer.cfg.work_dir, "armed"), "w").close()
 
     class Trainer(ToyTrainer):
+        def train_step(self, data, batch):   # (c) one rank swallows an exception and skips a batch
+            try:
+                if os.environ.get("SKIP") == str(self.rank) and self.epoch == 1 and batch == 1:
+                    stalled(self.cfg.work_dir)
+                    raise RuntimeError("a corrupt batch")   # LINE-C
+                self.last = super().train_step(data, batch)
+            except RuntimeError:
+                pass
+            return self.last
+
         def build_train_loader(self, cfg, **kwargs):
             from conftest import blobs
             data = blobs(cfg.n_train, 4, seed=0)
@@ -101,11 +112,29 @@ def _line(path, marker):
         return next(i for i, text in enumerate(f, start=1) if marker in text)
 
 
-def _stall(script, tmp_path, scenario, procs, sleeper=1, torchrun=False):
+def _srun(cmd, procs, env):
+    """The processes srun would start: one per task, with SLURM's variables (no launcher)."""
+    port, started = free_port(), []
+    for rank in range(procs):
+        slurm = {"SLURM_NTASKS": str(procs), "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                 "SLURM_NTASKS_PER_NODE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        started.append(subprocess.Popen(cmd, env={**env, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True))
+    outputs = [p.communicate(timeout=180) for p in started]
+    return subprocess.CompletedProcess(cmd, max(p.returncode for p in started), "".join(o for o, _ in outputs),
+                                       "".join(e for _, e in outputs)), [p.returncode for p in started]
+
+
+def _stall(script, tmp_path, scenario, procs, sleeper=1, torchrun=False, slurm=False):
     work = str(tmp_path / "work")
     env = {**os.environ, "SLEEPER": str(sleeper), "STUCK": str(sleeper)}
+    if scenario == "c":
+        env["SKIP"] = str(sleeper)
     start = time.monotonic()
-    if torchrun:
+    if slurm:
+        done, codes = _srun([sys.executable, script, work, scenario, str(STALL), str(procs)], procs, env)
+        assert codes == [watchdog.EXIT_STALL] * procs, (codes, done.stderr[-3000:])
+    elif torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), script, work, scenario, str(STALL), str(procs)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
@@ -158,6 +187,16 @@ def test_under_torchrun_each_rank_exits_3_and_the_report_names_rank_0(script, tm
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_under_slurm_each_task_exits_3_and_the_report_names_rank_0(script, tmp_path):
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "a", 2, slurm=True)
+    _check_common(done, text, to_report, pids, work, 2)
+    assert "differs: rank(s) [0]" in text, text
+    rank0 = next(t for t in text.splitlines() if t.startswith("rank 0"))
+    assert "in callback OneSided.on_epoch_end" in rank0 and f"{script}:{_line(script, 'LINE-A')})" in rank0, text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("procs", [2, 3])
 def test_a_rank_asleep_in_on_epoch_end_is_reported_as_the_rank_that_differs(script, tmp_path, procs):
     done, text, to_report, wall, pids, work = _stall(script, tmp_path, "b", procs, sleeper=1)
@@ -167,6 +206,68 @@ def test_a_rank_asleep_in_on_epoch_end_is_reported_as_the_rank_that_differs(scri
     assert "differs: rank(s) [1]" in text, text
     summary = json.load(open(os.path.join(work, "log", "stall-rank1.json")))
     assert summary["rank"] == 1 and summary["user"]["function"] == "on_epoch_end"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("procs", [2, 3])
+def test_a_rank_that_swallows_an_exception_and_skips_a_batch_is_named_in_the_failure_report(script, tmp_path, procs):
+    # its next collective meets another rank's gradients: gloo aborts it (SIGABRT), the others'
+    # collectives fail; rank 0 writes where each rank was, from its traceback and rank 1's stacks
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "c", procs, sleeper=1)
+    assert done.returncode == 1 and "process 1 terminated with signal SIGABRT" in done.stderr, done.stderr[-3000:]
+    assert to_report <= STALL + 15 and wall < 60, (to_report, wall)
+    assert not [p for p in pids if processes.running(p)], "a rank outlived the job"
+    assert text in done.stderr and f"see {os.path.join(work, 'log', stall_report.REPORT)}" in done.stderr
+    lines = text.splitlines()
+    assert lines[0].startswith("basetrainer failure report") and "rank(s) [1] ended on a fatal signal" in lines[0]
+    rank1 = next(t for t in lines if t.startswith("rank 1"))
+    assert "ended on a fatal signal (Aborted" in rank1 and "in collective" in rank1, text
+    assert f"user code at main ({script}:" in rank1 and "basetrainer at " in rank1, text
+    for rank in [0] + list(range(2, procs)):
+        line = next(t for t in lines if t.startswith(f"rank {rank} "))
+        assert "its collective failed (RuntimeError:" in line and "Connection" in line, text
+        assert os.path.isfile(os.path.join(work, "log", f"stall-rank{rank}.txt"))
+    assert "differs: rank(s) [1]:" in text, text
+    logs = sorted(os.listdir(os.path.join(work, "log")))
+    assert [n for n in logs if n.startswith("crash-")] == ["crash-rank1.txt"], logs   # the others' removed
+    state = torch.load(os.path.join(work, "model", "last.pth"), weights_only=True)
+    assert state["epoch"] == 0, sorted(state)
+
+
+def test_fatal_stacks_go_to_the_crash_file_while_a_job_runs_and_read_back_as_the_rank_summary(tmp_path):
+    import faulthandler
+
+    folder, before = str(tmp_path / "log"), faulthandler.is_enabled()
+    with watchdog.Watchdog(30, folder, rank=1, world_size=2, exit=False):
+        path = os.path.join(folder, "crash-rank1.txt")
+        assert stall_report.read_crash(folder, 1, time.time() - 5) is None   # only the header so far
+        with open(path, "a") as f:   # what faulthandler writes at SIGABRT, from this very frame
+            f.write("Fatal Python error: Aborted\n\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        crash = stall_report.read_crash(folder, 1, time.time() - 5)
+    assert crash["crashed"] == "Aborted" and crash["rank"] == 1 and crash["pid"] == os.getpid(), crash
+    assert crash["user"]["function"] == "test_fatal_stacks_go_to_the_crash_file_while_a_job_runs_and_read_back_as_" \
+                                        "the_rank_summary" and crash["user"]["file"] == __file__, crash
+    assert not os.path.exists(path) and faulthandler.is_enabled() == before
+
+
+def _abort_or_write_late(index, folder):
+    if index == 1:
+        os.abort()   # as gloo does at a collective mismatch
+    time.sleep(1.5)   # rank 0 fails in its collective, then writes the report
+    open(os.path.join(folder, "reported"), "w").close()
+    sys.exit(1)
+
+
+@pytest.mark.distributed
+def test_a_rank_ended_by_a_fatal_signal_leaves_the_others_time_to_write_the_report(tmp_path):
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        spawn_mod.spawn(_abort_or_write_late, 2, (str(tmp_path),))
+    assert os.path.exists(tmp_path / "reported")   # not stopped at once (within spawn.CRASH_GRACE)
 
 
 @pytest.mark.slow

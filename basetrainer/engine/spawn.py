@@ -14,6 +14,10 @@ from basetrainer.runtime.watchdog import EXIT_STALL
 
 _PREEMPTED = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 STALL_GRACE = 30.0   # seconds the other ranks get to write their stall files once one rank exited stalled
+# a rank ended by one of these (gloo aborts at a collective mismatch) leaves the others this long to
+# fail in their collectives and write the failure report (basetrainer.runtime.crash_report)
+_FATAL = tuple(-s for s in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL))
+CRASH_GRACE = 10.0
 
 
 def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
@@ -27,7 +31,8 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     share its process group; a rank keeps the first signal it saw); a second Ctrl-C stops all at
     once. A rank that ends stalled (exit :data:`~basetrainer.runtime.watchdog.EXIT_STALL`, after
     its stall report) lets the others end the same way for up to :data:`STALL_GRACE` seconds, and
-    this process then exits with that status too (SystemExit). When it returns or raises, no
+    this process then exits with that status too (SystemExit); a rank ended by a fatal signal
+    (gloo's abort at a collective mismatch) lets them fail and report for :data:`CRASH_GRACE`. When it returns or raises, no
     process of the job (DataLoader workers included) is left.
     """
     import torch.multiprocessing as mp
@@ -61,7 +66,9 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
                 failed = exited[0]
                 preempted = procs[failed].exitcode in _PREEMPTED
                 stalled = procs[failed].exitcode == EXIT_STALL   # the others write their stall files, then exit
-                kill_at = time.monotonic() + (grace if preempted else STALL_GRACE if stalled else 0.0)
+                crashed = procs[failed].exitcode in _FATAL
+                kill_at = time.monotonic() + (grace if preempted else STALL_GRACE if stalled
+                                              else CRASH_GRACE if crashed else 0.0)
             if kill_at is not None and time.monotonic() >= kill_at:
                 _stop(procs, tree)
                 kill_at = None

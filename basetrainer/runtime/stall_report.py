@@ -11,6 +11,7 @@ that runs; and the DataLoader worker processes when it waits for a batch.
 import json
 import multiprocessing
 import os
+import re
 import socket
 import sys
 import sysconfig
@@ -57,17 +58,26 @@ def summarize(thread: Optional[int], rank: int, progress: Any, idle: float, time
     """Where thread ``thread`` of this process is, as a JSON-ready dict."""
     frame = sys._current_frames().get(thread) if thread is not None else None
     entries = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(frame)] if frame else []
-    c10d = [e for e in entries if e[0].endswith(_C10D) and e[2] not in ("wrapper", "_fn")]
-    waiting_for_data = any(_DATA in e[0] for e in entries)
-    in_backward = any(_AUTOGRAD in e[0] for e in entries)   # DDP's gradient all-reduce waits there
-    workers = sorted(p.pid for p in multiprocessing.active_children() if p.pid) if waiting_for_data else []
+    place = frames(entries)
+    workers = sorted(p.pid for p in multiprocessing.active_children() if p.pid) if place["waiting_for_data"] else []
     return {
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
         "idle_s": round(idle, 1), "stall_timeout": timeout, "announced_by": announced_by,
         "progress": progress.count, "callback": progress.where,
         "collective": progress.collective, "seq": progress.seq,
+        "dataloader_workers": workers, **place,
+    }
+
+
+def frames(entries: List[Tuple[str, int, str]]) -> Dict[str, Any]:
+    """What a stack (``(file, line, function)``, outermost first) says of a rank's place: a torch
+    collective called directly, the DataLoader or the backward pass waited in, and the innermost
+    frame in the user's code, in basetrainer and overall."""
+    c10d = [e for e in entries if e[0].endswith(_C10D) and e[2] not in ("wrapper", "_fn")]
+    return {
         "torch_collective": c10d[0][2] if c10d else "",
-        "dataloader_workers": workers, "waiting_for_data": waiting_for_data, "in_backward": in_backward,
+        "waiting_for_data": any(_DATA in e[0] for e in entries),
+        "in_backward": any(_AUTOGRAD in e[0] for e in entries),   # DDP's gradient all-reduce waits there
         "user": _frame(_last(entries, _is_user)),
         "library": _frame(_last(entries, _is_library)),
         "innermost": _frame(entries[-1] if entries else None),
@@ -114,18 +124,25 @@ def _at(frame: Optional[Dict[str, Any]]) -> str:
 def describe(s: Dict[str, Any]) -> str:
     """One rank's place, in one line."""
     parts = [f"rank {s['rank']} (pid {s['pid']} on {s['host']}):"]
+    if s.get("crashed"):
+        parts.append(f"ended on a fatal signal ({s['crashed']}; gloo aborts a process whose collective receives a "
+                     f"message of another size: a collective mismatch),")
+    elif s.get("failed"):
+        parts.append(f"its collective failed ({s['failed']}),")
     if s.get("callback"):
         parts.append(f"in {s['callback']},")
     if s.get("collective"):
-        parts.append(f"waiting in collective #{s['seq']} {s['collective']} (basetrainer.runtime.comm),")
+        number = f"#{s['seq']} " if s.get("seq") is not None else ""
+        verb = "in" if s.get("crashed") or s.get("failed") else "waiting in"
+        parts.append(f"{verb} collective {number}{s['collective']} (basetrainer.runtime.comm),")
     elif s.get("torch_collective"):
         parts.append(f"waiting in torch.distributed.{s['torch_collective']} called outside basetrainer's "
-                     f"collectives ({s['seq']} done),")
+                     f"collectives{_done(s)},")
     elif s.get("in_backward"):
-        parts.append(f"in the backward pass (with DDP: its gradient all-reduce, which waits for every rank; "
-                     f"{s['seq']} of basetrainer's collectives done),")
+        parts.append(f"in the backward pass (with DDP: its gradient all-reduce, which waits for every rank"
+                     f"{_done(s, ';')}),")
     else:
-        parts.append(f"in no collective ({s['seq']} done),")
+        parts.append(f"in no collective{_done(s)},")
     if s.get("waiting_for_data"):
         workers = s.get("dataloader_workers") or []
         parts.append(f"waiting for a batch from the DataLoader (worker pids {workers}),")
@@ -137,6 +154,20 @@ def describe(s: Dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole (a temp file, then a rename)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _done(s: Dict[str, Any], sep: str = "") -> str:
+    if s.get("seq") is None:   # a crashed rank's stacks do not say
+        return ""
+    return f"{sep} {s['seq']} of basetrainer's collectives done" if sep else f" ({s['seq']} done)"
+
+
 def _load(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
     path = os.path.join(folder, f"stall-rank{rank}.json")
     try:
@@ -145,12 +176,56 @@ def _load(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError):
+        return read_crash(folder, rank, since)
+
+
+#: the first line of ``crash-rank<k>.txt``; faulthandler appends the stacks at a fatal signal
+CRASH_HEADER = "basetrainer crash-rank{rank}: pid {pid} on {host}, main thread 0x{thread:016x}\n"
+_HEADER = re.compile(r"basetrainer crash-rank(\d+): pid (\d+) on (\S+), main thread 0x([0-9a-f]+)")
+_THREAD = re.compile(r"(?:Current thread|Thread) 0x([0-9a-f]+)")
+_FILE = re.compile(r'\s+File "(.*)", line (\d+) in (.*)')
+_COMM = os.path.join(_PACKAGE, "runtime", "comm.py")
+
+
+def comm_collective(entries: List[Tuple[str, int, str]]) -> str:
+    """The comm collective a stack is in ("" when none)."""
+    return next((e[2] for e in reversed(entries) if os.path.abspath(e[0]) == _COMM), "")
+
+
+def read_crash(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
+    """Rank ``rank``'s summary from the stacks faulthandler wrote into ``crash-rank<k>.txt`` when
+    the process ended on a fatal signal (None: no such file, or only its header)."""
+    path = os.path.join(folder, f"crash-rank{rank}.txt")
+    try:
+        stat = os.stat(path)
+        if stat.st_mtime < since - 1:
+            return None
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
         return None
+    header = _HEADER.match(lines[0]) if lines else None
+    if header is None or len(lines) < 2:
+        return None
+    fatal = next((t.split(":", 1)[1].strip() for t in lines if t.startswith("Fatal Python error:")), "a fatal signal")
+    stacks: Dict[int, List[Tuple[str, int, str]]] = {}
+    current: List[Tuple[str, int, str]] = []
+    for line in lines[1:]:
+        if thread := _THREAD.match(line):
+            current = stacks.setdefault(int(thread.group(1), 16), [])
+        elif entry := _FILE.match(line):
+            current.append((entry.group(1), int(entry.group(2)), entry.group(3).strip()))
+    entries = list(reversed(stacks.get(int(header.group(4), 16), [])))   # faulthandler: innermost first
+    return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": stat.st_mtime,
+            "crashed": fatal, "stall_timeout": 0, "progress": None, "callback": "",
+            "collective": comm_collective(entries), "seq": None, "dataloader_workers": [], "stacks": path,
+            **frames(entries)}
 
 
-def gather(folder: str, world_size: int, since: float, seconds: float) -> str:
+def gather(folder: str, world_size: int, since: float, seconds: float, title: Optional[str] = None) -> str:
     """The report: the summaries the ranks wrote in ``folder`` (waiting up to ``seconds`` for
-    them all), one line each, and the rank(s) that differ."""
+    them all), one line each, and the rank(s) that differ. ``title``: its first line (default:
+    a stall's)."""
     deadline = time.monotonic() + seconds
     summaries: Dict[int, Dict[str, Any]] = {}
     while True:
@@ -160,9 +235,9 @@ def gather(folder: str, world_size: int, since: float, seconds: float) -> str:
         if len(summaries) == world_size or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    timeout = next(iter(summaries.values()))["stall_timeout"] if summaries else 0
+    timeout = max((s["stall_timeout"] for s in summaries.values()), default=0)
     first = min(summaries.values(), key=lambda s: s["time"]) if summaries else None
-    lines = [f"basetrainer stall report: no progress for stall_timeout = {timeout:g} s "
+    lines = [title or f"basetrainer stall report: no progress for stall_timeout = {timeout:g} s "
              f"({world_size} rank{'s' if world_size > 1 else ''}"
              + (f"; rank {first['rank']} stalled first" if first and world_size > 1 else "") + ")"]
     for rank in range(world_size):
@@ -170,7 +245,9 @@ def gather(folder: str, world_size: int, since: float, seconds: float) -> str:
                      else f"rank {rank}: no summary within {seconds:g} s (its watchdog did not run: on another "
                           f"machine without this folder, or a thread holding the interpreter lock)")
     lines.append(differs(summaries, world_size))
-    lines.append(f"Python stacks of every thread: {os.path.join(folder, 'stall-rank<k>.txt')}")
+    crashed = [r for r, s in summaries.items() if s.get("crashed")]
+    lines.append(f"Python stacks of every thread: {os.path.join(folder, 'stall-rank<k>.txt')}"
+                 + (f" ({os.path.join(folder, 'crash-rank<k>.txt')} for rank(s) {crashed})" if crashed else ""))
     return "\n".join(lines)
 
 
@@ -195,6 +272,11 @@ def differs(summaries: Dict[int, Dict[str, Any]], world_size: int) -> str:
     missing = [r for r in range(world_size) if r not in summaries]
     if world_size == 1:
         return "one process: it is stalled at the place above"
+    crashed = sorted(r for r, s in summaries.items() if s.get("crashed"))
+    if crashed:   # its collective met another kind or size of message: the ranks' collectives differ
+        return (f"differs: rank(s) {crashed}: ended on a fatal signal in the place above, and the others' collectives "
+                f"failed with it. A collective mismatch: one rank skipped or repeated a step (an exception "
+                f"swallowed in train_step?), or ran a collective that the others did not")
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for rank, s in sorted(summaries.items()):
         groups.setdefault(_place(s), []).append(rank)

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from basetrainer.runtime import stall_report
+from basetrainer.runtime import crash_report, stall_report
 
 logger = logging.getLogger(__name__)
 
@@ -123,19 +123,30 @@ class Watchdog:
         self._stop = threading.Event()
         self._main = threading.get_ident()   # the thread that runs the loop (the one entering)
         self._started = 0.0
+        self._fatal: Optional[crash_report.FatalStacks] = None
 
     def __enter__(self) -> "Watchdog":
         if self.timeout > 0 and not _RUNNING:   # evaluate() inside run(): the run's watchdog watches
             _RUNNING.append(self)
             self._started = time.time()
+            if self.world_size > 1:   # a rank aborted by a collective mismatch leaves its stacks
+                self._fatal = crash_report.FatalStacks(self.folder, self.rank).__enter__()
             self.thread = threading.Thread(target=self._watch, name="basetrainer-stall-watchdog", daemon=True)
             self.thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
         self._stop.set()
         if self in _RUNNING:
             _RUNNING.remove(self)
+            if exc is not None and self.world_size > 1 and crash_report.broken(exc):
+                try:   # the job ends on this exception: first, where every rank was
+                    crash_report.report_failure(exc, self.folder, self.rank, self.world_size, PROGRESS, self._started)
+                except Exception as e:
+                    logger.warning("rank %d: writing the failure report failed: %s: %s", self.rank, type(e).__name__, e)
+        if self._fatal is not None:
+            self._fatal.__exit__(exc_type, exc, tb)
+            self._fatal = None
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=5)
         self.thread = None
@@ -170,7 +181,7 @@ class Watchdog:
         try:
             os.makedirs(self.folder, exist_ok=True)
             if announced_by is None:
-                write_text(os.path.join(self.folder, TRIGGER), str(self.rank))
+                stall_report.write_text(os.path.join(self.folder, TRIGGER), str(self.rank))
             summary = stall_report.summarize(self._main, self.rank, PROGRESS, idle, self.timeout, announced_by)
             if summary["waiting_for_data"]:   # the workers' own account of what they load
                 summary["workers"] = stall_report.workers(self.folder, self.rank, summary["dataloader_workers"],
@@ -182,11 +193,11 @@ class Watchdog:
                         "recent call first):\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
-            write_text(os.path.join(self.folder, f"stall-rank{self.rank}.json"), json.dumps(summary, indent=1))
+            stall_report.write_text(os.path.join(self.folder, f"stall-rank{self.rank}.json"), json.dumps(summary, indent=1))
             report = os.path.join(self.folder, stall_report.REPORT)
             if self.rank == 0:
                 text = stall_report.gather(self.folder, self.world_size, self._started, self.gather)
-                write_text(report, text)
+                stall_report.write_text(report, text)
                 sys.stderr.write(text + "\n")
             else:
                 _wait_for(report, self._started, self.gather + 5)
@@ -216,14 +227,6 @@ def announced(trigger: str, since: float) -> Optional[int]:
             return int(f.read().strip() or -1)
     except (OSError, ValueError):
         return None
-
-
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` whole (a temp file, then a rename)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _wait_for(path: str, since: float, seconds: float) -> None:

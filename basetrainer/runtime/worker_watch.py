@@ -73,7 +73,7 @@ class WorkerWatch:
                         "(faulthandler; most recent call first):\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
-            watchdog.write_text(name + ".json", json.dumps(summary, indent=1))
+            stall_report.write_text(name + ".json", json.dumps(summary, indent=1))
         except OSError:
             pass
 

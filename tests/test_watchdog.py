@@ -158,6 +158,8 @@ def _check_common(done, text, to_report, pids, work, procs, status=watchdog.EXIT
     assert text in done.stderr   # printed as written
     for rank in range(procs):
         assert os.path.isfile(os.path.join(work, "log", f"stall-rank{rank}.txt"))
+    left = [n for n in os.listdir(os.path.join(work, "log")) if n.startswith("crash-") or ".tmp" in n]
+    assert not left, left   # no crash file (no fatal signal), no temp file
     # the last checkpoint (epoch 0's) is whole
     state = torch.load(os.path.join(work, "model", "last.pth"), weights_only=True)
     assert state["epoch"] == 0, sorted(state)

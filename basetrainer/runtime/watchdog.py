@@ -214,6 +214,8 @@ class Watchdog:
             sys.stdout.flush()
             sys.stderr.flush()
             _end_children()
+            if self._fatal is not None:   # no fatal signal: its crash file goes (os._exit skips __exit__)
+                self._fatal.__exit__(None, None, None)
             os._exit(EXIT_STALL)
         return self.fired or {}
 

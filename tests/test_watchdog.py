@@ -6,6 +6,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import torch
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.engine import launch as launch_mod
 from basetrainer.engine import spawn as spawn_mod
-from basetrainer.runtime import processes, stall_report, watchdog
+from basetrainer.runtime import crash_report, processes, stacks, stall_report, watchdog
 from basetrainer.utils import setup_config
 
 from conftest import ToyTrainer, free_port, run_script, script_fixture, toy_cfg
@@ -69,6 +70,9 @@ SCRIPT = textwrap.dedent("""
 
     class Trainer(ToyTrainer):
         def train_step(self, data, batch):   # (c) one rank swallows an exception and skips a batch
+            if os.environ.get("EXTRA") == str(self.rank) and self.epoch == 1 and batch == 1:
+                stalled(self.cfg.work_dir)
+                torch.distributed.all_reduce(torch.zeros(1000))   # LINE-X: a collective of this rank only
             try:
                 if os.environ.get("SKIP") == str(self.rank) and self.epoch == 1 and batch == 1:
                     stalled(self.cfg.work_dir)
@@ -88,7 +92,7 @@ SCRIPT = textwrap.dedent("""
         open(os.path.join(work, "pids", str(os.getpid())), "w").close()
         single = scenario.startswith("single")
         cfg = toy_cfg(num_epochs=3, batch_size=16, n_train=64, work_dir=work, distributed=not single,
-                      stall_timeout=stall, num_workers=1 if scenario.endswith("d") else 0)
+                      stall_timeout=stall, num_workers=1 if scenario.endswith("d") else 0, bn=scenario == "cbn")
         callbacks = [LossesRecorder(), ModelCheckpoint(model_dir=os.path.join(work, "model"), indicator="loss"),
                      OneSided() if scenario == "a" else Arm() if scenario.endswith("d") else Sleeper()]
         Trainer(cfg, callbacks=callbacks).run()
@@ -128,8 +132,10 @@ def _srun(cmd, procs, env):
 def _stall(script, tmp_path, scenario, procs, sleeper=1, torchrun=False, slurm=False):
     work = str(tmp_path / "work")
     env = {**os.environ, "SLEEPER": str(sleeper), "STUCK": str(sleeper)}
-    if scenario == "c":
+    if scenario in ("c", "cbn"):
         env["SKIP"] = str(sleeper)
+    if scenario == "x":
+        env["EXTRA"] = str(sleeper)
     start = time.monotonic()
     if slurm:
         done, codes = _srun([sys.executable, script, work, scenario, str(STALL), str(procs)], procs, env)
@@ -237,22 +243,101 @@ def test_a_rank_that_swallows_an_exception_and_skips_a_batch_is_named_in_the_fai
     assert state["epoch"] == 0, sorted(state)
 
 
-def test_fatal_stacks_go_to_the_crash_file_while_a_job_runs_and_read_back_as_the_rank_summary(tmp_path):
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_with_batchnorm_a_skipped_batch_stalls_and_the_report_names_the_rank_that_skipped(script, tmp_path):
+    # DDP's forward broadcasts the buffers first: the skipping rank's collectives pair with the next
+    # step's silently until one meets another kind; a stall, not an abort (hostile pass, F1)
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "cbn", 2, sleeper=1)
+    _check_common(done, text, to_report, pids, work, 2)
+    rank1 = next(t for t in text.splitlines() if t.startswith("rank 1"))
+    assert "backward passes (it skipped 1 step(s))" in rank1, text
+    assert "differs: rank(s) [1]: finished train batches without their backward pass" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_collective_one_rank_runs_alone_is_named_even_when_gloo_aborts_the_other_rank(script, tmp_path):
+    # rank 1's all_reduce of 1000 floats meets rank 0's gradient all-reduce: gloo aborts rank 0
+    # (the receiver of the larger message), but the report names rank 1 and its line (F2)
+    done, text, to_report, wall, pids, work = _stall(script, tmp_path, "x", 2, sleeper=1)
+    assert done.returncode == 1 and "terminated with signal SIGABRT" in done.stderr, done.stderr[-3000:]
+    assert not [p for p in pids if processes.running(p)], "a rank outlived the job"
+    rank1 = next(t for t in text.splitlines() if t.startswith("rank 1"))
+    assert "torch.distributed.all_reduce" in rank1 and f"{script}:{_line(script, 'LINE-X')})" in rank1, text
+    assert "differs: rank(s) [1]: in a torch.distributed collective of their own" in text, text
+
+
+@pytest.fixture
+def no_faulthandler():
     import faulthandler
 
-    folder, before = str(tmp_path / "log"), faulthandler.is_enabled()
-    with watchdog.Watchdog(30, folder, rank=1, world_size=2, exit=False):
-        path = os.path.join(folder, "crash-rank1.txt")
-        assert stall_report.read_crash(folder, 1, time.time() - 5) is None   # only the header so far
+    was = faulthandler.is_enabled()   # pytest turns it on
+    faulthandler.disable()
+    yield faulthandler
+    if was:
+        faulthandler.enable()
+    else:
+        faulthandler.disable()
+
+
+def test_fatal_stacks_go_to_the_crash_file_while_a_job_runs_and_read_back_as_the_rank_summary(tmp_path,
+                                                                                              no_faulthandler):
+    folder, path = str(tmp_path / "log"), str(tmp_path / "log" / "crash-rank1.txt")
+    with watchdog.Watchdog(0, folder, rank=1, world_size=2, exit=False):   # stall_timeout 0: still on
+        assert stacks.read_crash(folder, 1, time.time() - 5) is None   # only the header: the rank runs
+        assert stacks.alive(folder, 1, time.time() - 5)
         with open(path, "a") as f:   # what faulthandler writes at SIGABRT, from this very frame
             f.write("Fatal Python error: Aborted\n\n")
             f.flush()
-            faulthandler.dump_traceback(f, all_threads=True)
-        crash = stall_report.read_crash(folder, 1, time.time() - 5)
+            no_faulthandler.dump_traceback(f, all_threads=True)
+        crash = stacks.read_crash(folder, 1, time.time() - 5)
     assert crash["crashed"] == "Aborted" and crash["rank"] == 1 and crash["pid"] == os.getpid(), crash
     assert crash["user"]["function"] == "test_fatal_stacks_go_to_the_crash_file_while_a_job_runs_and_read_back_as_" \
                                         "the_rank_summary" and crash["user"]["file"] == __file__, crash
-    assert not os.path.exists(path) and faulthandler.is_enabled() == before
+    assert not os.path.exists(path) and not no_faulthandler.is_enabled()
+    assert not stacks.alive(folder, 1, time.time() - 5)   # ended through Python: its file is gone
+
+
+def test_a_crash_file_of_an_earlier_run_is_kept_and_a_killed_rank_is_told_apart(tmp_path, no_faulthandler):
+    folder = str(tmp_path)
+    with open(os.path.join(folder, "crash-rank0.txt"), "w") as f:   # an earlier run's rank 0 aborted
+        f.write(stacks.CRASH_HEADER.format(rank=0, pid=os.getpid(), host="h", thread=1) + "Fatal Python error: "
+                "Aborted\n\nThread 0x0000000000000001 (most recent call first):\n  File \"t.py\", line 3 in f\n")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with open(os.path.join(folder, "crash-rank1.txt"), "w") as f:   # rank 1 SIGKILLed: only the header
+        f.write(stacks.CRASH_HEADER.format(rank=1, pid=int(dead.stdout), host=socket.gethostname(), thread=1))
+    killed = stacks.read_crash(folder, 1, 0.0)
+    assert killed["killed"] and not stacks.alive(folder, 1, 0.0), killed
+    assert "ended without a Python trace (SIGKILL" in stall_report.describe(killed)
+    with watchdog.Watchdog(0, folder, rank=0, world_size=2, exit=False):
+        kept = [n for n in os.listdir(folder) if n.startswith("crash-rank0.txt.")]
+        assert len(kept) == 1 and "line 3 in f" in open(os.path.join(folder, kept[0])).read(), os.listdir(folder)
+        assert stacks.read_crash(folder, 0, 0.0) is None   # this run's file: only its header
+    no_faulthandler.enable()   # the user's own (or -X faulthandler): left where the user sent it
+    with watchdog.Watchdog(0, folder, rank=0, world_size=2, exit=False):
+        assert not os.path.exists(os.path.join(folder, "crash-rank0.txt")) and no_faulthandler.is_enabled()
+    assert no_faulthandler.is_enabled()
+
+
+def test_a_failure_report_that_cannot_be_written_is_printed_whole(tmp_path, monkeypatch, capsys):
+    folder = str(tmp_path)
+    with open(os.path.join(folder, "crash-rank1.txt"), "w") as f:
+        f.write(stacks.CRASH_HEADER.format(rank=1, pid=12345, host="h", thread=1) + "Fatal Python error: Aborted\n")
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stall_report, "write_text", full)
+    try:
+        raise RuntimeError("[pair.cc:545] Read error [127.0.0.1]:1: Connection reset by peer")
+    except RuntimeError as e:
+        assert crash_report.broken(e) and not crash_report.broken(RuntimeError("gloo config wrong"))
+        assert crash_report.report_failure(e, folder, 0, 2, watchdog.Progress(), 0.0, gather=0.1) is None
+    err = capsys.readouterr().err
+    assert "basetrainer failure report" in err and "rank 1 (pid 12345 on h): ended on a fatal signal (Aborted" in err
+    assert "could not be written" in err and "differs: rank(s) [1]: aborted by gloo" in err, err
+    assert os.listdir(folder) == ["crash-rank1.txt"]   # nothing half-written
 
 
 def _abort_or_write_late(index, folder):
@@ -425,6 +510,13 @@ def test_the_report_names_the_odd_rank_out_of_three_and_the_one_behind_of_two():
     same = {r: _summary(r, 7, "any_true") for r in range(2)}
     assert stall_report.differs(same, 2).startswith("no rank differs")
     assert stall_report.differs({0: three[0]}, 2).startswith("differs: rank(s) [1] (no summary)")
+    skipped = {0: {**_summary(0, 4, torch_collective="broadcast"), "batches": 7, "steps": 7},
+               1: {**_summary(1, 5, "any_true"), "batches": 8, "steps": 7}}   # F1: the rank ahead skipped
+    assert stall_report.differs(skipped, 2).startswith("differs: rank(s) [1]: finished train batches without")
+    crashed = {0: {**_summary(0, None, "any_true"), "crashed": "Aborted"}, 1: _summary(1, 6, torch_collective="x")}
+    assert stall_report.differs(crashed, 2).startswith("differs: rank(s) [1]: in a torch.distributed collective")
+    crashed[1] = _summary(1, 6, "any_true")
+    assert stall_report.differs(crashed, 2).startswith("differs: rank(s) [0]: aborted by gloo")
 
 
 def test_the_watchdog_lets_a_checkpoint_write_of_the_stalled_thread_finish_before_it_exits(tmp_path, monkeypatch):

@@ -178,6 +178,7 @@ class Engine:
             self.dispatch("on_batch_begin", batch, logs)
             data = self.to_device(data)
             outputs, losses = self.train_step(data, batch)
+            progress.batches += 1   # more batches than backward passes (steps): this rank skipped one
             ckpt.batch_in_epoch = batch + 1
             if not self._placeholder:   # a placeholder batch holds no sample of this rank
                 self.dispatch("on_train_summary", data, outputs, losses, epoch, batch, logs)
@@ -217,6 +218,7 @@ class Engine:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
+        watchdog.PROGRESS.steps += 1   # the backward passes done (see the loop's batches)
         self._updated = update
         if update:
             self.optimizer_step()

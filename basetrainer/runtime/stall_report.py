@@ -11,46 +11,16 @@ that runs; and the DataLoader worker processes when it waits for a batch.
 import json
 import multiprocessing
 import os
-import re
 import socket
 import sys
-import sysconfig
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
+from basetrainer.runtime.stacks import frames, read_crash
+
 #: the report's file name, beside the ranks' ``stall-rank<k>.txt``
 REPORT = "stall-report.txt"
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_SYSTEM = tuple(sorted({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                        if (p := sysconfig.get_paths().get(key))}))
-_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
-_DATA = os.sep + os.path.join("torch", "utils", "data") + os.sep
-_AUTOGRAD = os.sep + os.path.join("torch", "autograd") + os.sep
-
-
-def _frame(entry: Optional[Tuple[str, int, str]]) -> Optional[Dict[str, Any]]:
-    return None if entry is None else {"file": entry[0], "line": entry[1], "function": entry[2]}
-
-
-def _last(entries: List[Tuple[str, int, str]], keep: Any) -> Optional[Tuple[str, int, str]]:
-    return next((e for e in reversed(entries) if keep(e[0])), None)
-
-
-def _is_user(path: str) -> bool:
-    path = os.path.abspath(path)
-    return not path.startswith(_PACKAGE) and not path.startswith(_SYSTEM) and not path.startswith("<")
-
-
-# basetrainer's frames that a summary names otherwise (the collective, the callback, the watchdog)
-_PLUMBING = tuple(os.path.join(_PACKAGE, *p.split("/")) for p in
-                  ("runtime/comm.py", "callbacks/callbacks.py", "runtime/watchdog.py"))
-
-
-def _is_library(path: str) -> bool:
-    path = os.path.abspath(path)
-    return path.startswith(_PACKAGE) and path not in _PLUMBING
 
 
 def summarize(thread: Optional[int], rank: int, progress: Any, idle: float, timeout: float,
@@ -63,24 +33,9 @@ def summarize(thread: Optional[int], rank: int, progress: Any, idle: float, time
     return {
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
         "idle_s": round(idle, 1), "stall_timeout": timeout, "announced_by": announced_by,
-        "progress": progress.count, "callback": progress.where,
+        "progress": progress.count, "callback": progress.where, "steps": progress.steps, "batches": progress.batches,
         "collective": progress.collective, "seq": progress.seq,
         "dataloader_workers": workers, **place,
-    }
-
-
-def frames(entries: List[Tuple[str, int, str]]) -> Dict[str, Any]:
-    """What a stack (``(file, line, function)``, outermost first) says of a rank's place: a torch
-    collective called directly, the DataLoader or the backward pass waited in, and the innermost
-    frame in the user's code, in basetrainer and overall."""
-    c10d = [e for e in entries if e[0].endswith(_C10D) and e[2] not in ("wrapper", "_fn")]
-    return {
-        "torch_collective": c10d[0][2] if c10d else "",
-        "waiting_for_data": any(_DATA in e[0] for e in entries),
-        "in_backward": any(_AUTOGRAD in e[0] for e in entries),   # DDP's gradient all-reduce waits there
-        "user": _frame(_last(entries, _is_user)),
-        "library": _frame(_last(entries, _is_library)),
-        "innermost": _frame(entries[-1] if entries else None),
     }
 
 
@@ -124,11 +79,18 @@ def _at(frame: Optional[Dict[str, Any]]) -> str:
 def describe(s: Dict[str, Any]) -> str:
     """One rank's place, in one line."""
     parts = [f"rank {s['rank']} (pid {s['pid']} on {s['host']}):"]
+    if s.get("killed"):
+        return " ".join(parts + ["ended without a Python trace (SIGKILL: e.g. the out-of-memory killer, or a job "
+                                 "scheduler)"])
     if s.get("crashed"):
         parts.append(f"ended on a fatal signal ({s['crashed']}; gloo aborts a process whose collective receives a "
                      f"message of another size: a collective mismatch),")
     elif s.get("failed"):
         parts.append(f"its collective failed ({s['failed']}),")
+    if s.get("batches"):   # a train phase (evaluate and predict run none)
+        skipped = s["batches"] - s["steps"]
+        parts.append(f"{s['batches']} train batches done" + (f" but only {s['steps']} backward passes (it skipped "
+                                                             f"{skipped} step(s))," if skipped > 0 else ","))
     if s.get("callback"):
         parts.append(f"in {s['callback']},")
     if s.get("collective"):
@@ -138,6 +100,9 @@ def describe(s: Dict[str, Any]) -> str:
     elif s.get("torch_collective"):
         parts.append(f"waiting in torch.distributed.{s['torch_collective']} called outside basetrainer's "
                      f"collectives{_done(s)},")
+    elif s.get("ddp_broadcast"):
+        parts.append(f"in DDP's forward (its broadcast of the buffers, e.g. BatchNorm's statistics, which waits "
+                     f"for every rank{_done(s, ';')}),")
     elif s.get("in_backward"):
         parts.append(f"in the backward pass (with DDP: its gradient all-reduce, which waits for every rank"
                      f"{_done(s, ';')}),")
@@ -157,9 +122,16 @@ def describe(s: Dict[str, Any]) -> str:
 def write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` whole (a temp file, then a rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:   # a full disk: no temp file left behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _done(s: Dict[str, Any], sep: str = "") -> str:
@@ -179,55 +151,17 @@ def _load(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
         return read_crash(folder, rank, since)
 
 
-#: the first line of ``crash-rank<k>.txt``; faulthandler appends the stacks at a fatal signal
-CRASH_HEADER = "basetrainer crash-rank{rank}: pid {pid} on {host}, main thread 0x{thread:016x}\n"
-_HEADER = re.compile(r"basetrainer crash-rank(\d+): pid (\d+) on (\S+), main thread 0x([0-9a-f]+)")
-_THREAD = re.compile(r"(?:Current thread|Thread) 0x([0-9a-f]+)")
-_FILE = re.compile(r'\s+File "(.*)", line (\d+) in (.*)')
-_COMM = os.path.join(_PACKAGE, "runtime", "comm.py")
+_NO_SUMMARY = ("its watchdog did not run: on another machine without this folder, or a thread holding the "
+               "interpreter lock")
 
 
-def comm_collective(entries: List[Tuple[str, int, str]]) -> str:
-    """The comm collective a stack is in ("" when none)."""
-    return next((e[2] for e in reversed(entries) if os.path.abspath(e[0]) == _COMM), "")
-
-
-def read_crash(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
-    """Rank ``rank``'s summary from the stacks faulthandler wrote into ``crash-rank<k>.txt`` when
-    the process ended on a fatal signal (None: no such file, or only its header)."""
-    path = os.path.join(folder, f"crash-rank{rank}.txt")
-    try:
-        stat = os.stat(path)
-        if stat.st_mtime < since - 1:
-            return None
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    header = _HEADER.match(lines[0]) if lines else None
-    if header is None or len(lines) < 2:
-        return None
-    fatal = next((t.split(":", 1)[1].strip() for t in lines if t.startswith("Fatal Python error:")), "a fatal signal")
-    stacks: Dict[int, List[Tuple[str, int, str]]] = {}
-    current: List[Tuple[str, int, str]] = []
-    for line in lines[1:]:
-        if thread := _THREAD.match(line):
-            current = stacks.setdefault(int(thread.group(1), 16), [])
-        elif entry := _FILE.match(line):
-            current.append((entry.group(1), int(entry.group(2)), entry.group(3).strip()))
-    entries = list(reversed(stacks.get(int(header.group(4), 16), [])))   # faulthandler: innermost first
-    return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": stat.st_mtime,
-            "crashed": fatal, "stall_timeout": 0, "progress": None, "callback": "",
-            "collective": comm_collective(entries), "seq": None, "dataloader_workers": [], "stacks": path,
-            **frames(entries)}
-
-
-def gather(folder: str, world_size: int, since: float, seconds: float, title: Optional[str] = None) -> str:
+def gather(folder: str, world_size: int, since: float, seconds: float, title: Optional[str] = None,
+           no_summary: str = _NO_SUMMARY, known: Optional[Dict[int, Dict[str, Any]]] = None) -> str:
     """The report: the summaries the ranks wrote in ``folder`` (waiting up to ``seconds`` for
     them all), one line each, and the rank(s) that differ. ``title``: its first line (default:
-    a stall's)."""
+    a stall's); ``no_summary``: why a rank may have written none; ``known``: summaries at hand."""
     deadline = time.monotonic() + seconds
-    summaries: Dict[int, Dict[str, Any]] = {}
+    summaries: Dict[int, Dict[str, Any]] = dict(known or {})
     while True:
         for rank in range(world_size):
             if rank not in summaries and (s := _load(folder, rank, since)) is not None:
@@ -242,12 +176,18 @@ def gather(folder: str, world_size: int, since: float, seconds: float, title: Op
              + (f"; rank {first['rank']} stalled first" if first and world_size > 1 else "") + ")"]
     for rank in range(world_size):
         lines.append(describe(summaries[rank]) if rank in summaries
-                     else f"rank {rank}: no summary within {seconds:g} s (its watchdog did not run: on another "
-                          f"machine without this folder, or a thread holding the interpreter lock)")
+                     else f"rank {rank}: no summary within {seconds:g} s ({no_summary})")
     lines.append(differs(summaries, world_size))
-    crashed = [r for r, s in summaries.items() if s.get("crashed")]
-    lines.append(f"Python stacks of every thread: {os.path.join(folder, 'stall-rank<k>.txt')}"
-                 + (f" ({os.path.join(folder, 'crash-rank<k>.txt')} for rank(s) {crashed})" if crashed else ""))
+    crashed = sorted(r for r, s in summaries.items() if s.get("crashed"))
+    failed = sorted(r for r, s in summaries.items() if s.get("failed"))
+    stalled = sorted(r for r, s in summaries.items() if not s.get("crashed") and not s.get("failed")
+                     and not s.get("killed"))
+    where = [f"Python stacks of every thread: {os.path.join(folder, 'stall-rank<k>.txt')} for rank(s) {stalled}"
+             if stalled else "",
+             f"tracebacks: {os.path.join(folder, 'stall-rank<k>.txt')} for rank(s) {failed}" if failed else "",
+             f"stacks at the fatal signal: {os.path.join(folder, 'crash-rank<k>.txt')} for rank(s) {crashed}"
+             if crashed else ""]
+    lines.append("; ".join(w for w in where if w))
     return "\n".join(lines)
 
 
@@ -259,7 +199,8 @@ def _place(s: Dict[str, Any]) -> Tuple[Any, ...]:
 
 def _waiting(s: Dict[str, Any]) -> str:
     """The collective a rank waits in ("" when it waits for none)."""
-    return s.get("collective") or s.get("torch_collective") or ("backward" if s.get("in_backward") else "")
+    return (s.get("collective") or s.get("torch_collective") or ("ddp broadcast" if s.get("ddp_broadcast") else "")
+            or ("backward" if s.get("in_backward") else ""))
 
 
 def _position(s: Dict[str, Any]) -> float:
@@ -273,10 +214,25 @@ def differs(summaries: Dict[int, Dict[str, Any]], world_size: int) -> str:
     if world_size == 1:
         return "one process: it is stalled at the place above"
     crashed = sorted(r for r, s in summaries.items() if s.get("crashed"))
+    own = sorted(r for r, s in summaries.items() if s.get("torch_collective") and not s.get("collective")
+                 and not s.get("crashed"))
+    if crashed and own:   # a collective of the user's own, run by some ranks only
+        return (f"differs: rank(s) {own}: in a torch.distributed collective of their own (above) when gloo aborted "
+                f"rank(s) {crashed} at a message of another size: likely a collective the other ranks did not run")
     if crashed:   # its collective met another kind or size of message: the ranks' collectives differ
-        return (f"differs: rank(s) {crashed}: ended on a fatal signal in the place above, and the others' collectives "
-                f"failed with it. A collective mismatch: one rank skipped or repeated a step (an exception "
-                f"swallowed in train_step?), or ran a collective that the others did not")
+        return (f"differs: rank(s) {crashed}: aborted by gloo in the place above (its collective received a message "
+                f"of another size), and the others' collectives failed with it. The ranks' collectives did not "
+                f"match: one rank skipped or repeated a step (an exception swallowed in train_step?), or ran a "
+                f"collective the others did not; the aborted rank is where it was detected")
+    skipped = sorted(r for r, s in summaries.items() if s.get("batches") is not None and s["batches"] > s["steps"])
+    # every rank runs every step's collectives (DDP's): one that skipped a step pairs them wrongly
+    # (checked after a crash: a rank may then have swallowed its own failed collective)
+    if skipped:
+        return (f"differs: rank(s) {skipped}: finished train batches without their backward pass (an exception "
+                f"swallowed in train_step?): its collectives no longer pair with the other ranks'")
+    ended = sorted(r for r, s in summaries.items() if s.get("killed"))
+    if ended:
+        return f"differs: rank(s) {ended}: killed without a trace; the others' collectives failed with it"
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for rank, s in sorted(summaries.items()):
         groups.setdefault(_place(s), []).append(rank)

@@ -49,13 +49,15 @@ TRIGGER = "stall-trigger"
 class Progress:
     """Where this process is: written by the training thread, read by the watchdog."""
 
-    __slots__ = ("count", "where", "collective", "seq")
+    __slots__ = ("count", "where", "collective", "seq", "steps", "batches")
 
     def __init__(self) -> None:
         self.count = 0            # train steps, test batches and collectives done
         self.where = ""           # "callback <Name>.<event>" while a callback runs, else ""
         self.collective = ""      # the comm collective waited in ("" when none)
         self.seq = 0              # comm collectives entered by this process
+        self.steps = 0            # train steps whose backward pass ended
+        self.batches = 0          # train batches done: more than steps when train_step skipped one
 
 
 #: this process's progress stamp
@@ -120,17 +122,20 @@ class Watchdog:
         self.poll = min(1.0, max(0.05, self.timeout / 10))
         self.thread: Optional[threading.Thread] = None
         self.fired: Optional[Dict[str, Any]] = None     # this rank's summary, once it reported
+        self.reporting = False                           # a stall is being reported (the process then ends)
         self._stop = threading.Event()
         self._main = threading.get_ident()   # the thread that runs the loop (the one entering)
         self._started = 0.0
         self._fatal: Optional[crash_report.FatalStacks] = None
 
     def __enter__(self) -> "Watchdog":
-        if self.timeout > 0 and not _RUNNING:   # evaluate() inside run(): the run's watchdog watches
-            _RUNNING.append(self)
-            self._started = time.time()
-            if self.world_size > 1:   # a rank aborted by a collective mismatch leaves its stacks
-                self._fatal = crash_report.FatalStacks(self.folder, self.rank).__enter__()
+        if _RUNNING:   # evaluate() inside run(): the run's watchdog watches
+            return self
+        _RUNNING.append(self)
+        self._started = time.time()
+        if self.world_size > 1:   # a rank aborted by a collective mismatch leaves its stacks (stall or not)
+            self._fatal = crash_report.FatalStacks(self.folder, self.rank).__enter__()
+        if self.timeout > 0:
             self.thread = threading.Thread(target=self._watch, name="basetrainer-stall-watchdog", daemon=True)
             self.thread.start()
         return self
@@ -139,7 +144,9 @@ class Watchdog:
         self._stop.set()
         if self in _RUNNING:
             _RUNNING.remove(self)
-            if exc is not None and self.world_size > 1 and crash_report.broken(exc):
+            if self.reporting and self.thread is not None:   # a stall: its report ends the process (exit 3)
+                self.thread.join(timeout=self.gather + 30)
+            elif exc is not None and self.world_size > 1 and crash_report.broken(exc):
                 try:   # the job ends on this exception: first, where every rank was
                     crash_report.report_failure(exc, self.folder, self.rank, self.world_size, PROGRESS, self._started)
                 except Exception as e:
@@ -178,11 +185,12 @@ class Watchdog:
 
     def report(self, idle: float, announced_by: Optional[int]) -> Dict[str, Any]:
         """Write this rank's files (rank 0: also the report), then exit unless ``exit`` is False."""
+        self.reporting, summary = True, None
         try:
+            summary = stall_report.summarize(self._main, self.rank, PROGRESS, idle, self.timeout, announced_by)
             os.makedirs(self.folder, exist_ok=True)
             if announced_by is None:
                 stall_report.write_text(os.path.join(self.folder, TRIGGER), str(self.rank))
-            summary = stall_report.summarize(self._main, self.rank, PROGRESS, idle, self.timeout, announced_by)
             if summary["waiting_for_data"]:   # the workers' own account of what they load
                 summary["workers"] = stall_report.workers(self.folder, self.rank, summary["dataloader_workers"],
                                                           self._started, wait=3 * self.poll + 2)
@@ -208,7 +216,8 @@ class Watchdog:
             _wait_for_background_writes(10.0)
             _wait_for_file_write(self._main, 10.0)
         except Exception as e:   # the exit below must happen whatever went wrong here
-            sys.stderr.write(f"basetrainer: rank {self.rank} stalled; writing the stall report failed: "
+            place = stall_report.describe(summary) + "\n" if summary else ""   # a full disk: on stderr at least
+            sys.stderr.write(f"{place}basetrainer: rank {self.rank} stalled; writing the stall report failed: "
                              f"{type(e).__name__}: {e}\n")
         if self.exit:
             sys.stdout.flush()

@@ -340,6 +340,49 @@ def test_a_failure_report_that_cannot_be_written_is_printed_whole(tmp_path, monk
     assert os.listdir(folder) == ["crash-rank1.txt"]   # nothing half-written
 
 
+WORKER_ABORT = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import ToyTrainer, toy_cfg, blobs
+    from basetrainer.engine.launch import launch
+
+    class Aborting(torch.utils.data.Dataset):
+        def __init__(self):
+            self.data = blobs(64, 4, seed=0)
+        def __len__(self):
+            return len(self.data)
+        def __getitem__(self, index):
+            if os.environ.get("RANK") == "1" and index == 5 and torch.utils.data.get_worker_info() is not None:
+                os.abort()   # LINE-W: a C extension failing in rank 1's DataLoader worker
+            return self.data[index]
+
+    class Trainer(ToyTrainer):
+        def build_train_loader(self, cfg, **kwargs):
+            return self.build_dataloader(Aborting(), cfg.batch_size, 1, phase="train")
+
+    def main(work):
+        Trainer(toy_cfg(num_epochs=1, batch_size=16, n_train=64, work_dir=work, distributed=True)).run()
+
+    if __name__ == "__main__":
+        launch(main, num_gpus_per_machine=2, distributed=True, args=(sys.argv[1],))
+""")
+worker_abort = script_fixture(WORKER_ABORT, "worker_abort.py")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_data_worker_ending_on_a_fatal_signal_shows_its_stack_and_is_not_its_rank_crash(worker_abort, tmp_path):
+    # the worker inherits faulthandler pointed at its rank's crash file: it writes to stderr instead,
+    # and rank 1 (alive, then failing through Python) is not reported as crashed
+    work = str(tmp_path / "work")
+    done = run_script(worker_abort, work, timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]   # rank 1 fails through Python (the worker's death or pipe)
+    assert f'File "{worker_abort}", line {_line(worker_abort, "LINE-W")} in __getitem__' in done.stderr
+    report = open(os.path.join(work, "log", stall_report.REPORT)).read()
+    assert "ended on a fatal signal" not in report and "rank 1: no summary" in report, report
+    assert not [n for n in os.listdir(os.path.join(work, "log")) if n.startswith("crash-")]
+
+
 def _abort_or_write_late(index, folder):
     if index == 1:
         os.abort()   # as gloo does at a collective mismatch

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
-from basetrainer.runtime import comm
+from basetrainer.runtime import comm, crash_report
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,7 @@ class WorkerShield:
 
     def __call__(self, worker_id: int) -> None:
         shield_worker()
+        crash_report.in_worker()   # a worker's fatal error is not its rank's
         if self.user_fn is not None:
             self.user_fn(worker_id)
 

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from basetrainer.runtime import atomic, stacks, stall_report
 
@@ -30,6 +30,16 @@ from basetrainer.runtime import atomic, stacks, stall_report
 _BROKEN = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 #: how long a rank whose collective failed waits for the lower ranks to end before it decides who reports
 _LOWER_S = 3.0
+
+
+_ACTIVE: List["FatalStacks"] = []   # the one that sends this process's faulthandler output to its crash file
+
+
+def in_worker() -> None:
+    """In a forked DataLoader worker: its own fatal error goes to standard error, not into its
+    rank's crash file (which would then say that the rank died)."""
+    if _ACTIVE:
+        faulthandler.enable(all_threads=True)
 
 
 class FatalStacks:
@@ -62,12 +72,15 @@ class FatalStacks:
             self.file = None
             return self
         faulthandler.enable(file=self.file, all_threads=True)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.file is None:
             return
         faulthandler.disable()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self.file.close()
         self.file = None
         try:

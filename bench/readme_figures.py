@@ -1,6 +1,7 @@
 """Re-measure the figures README.md quotes: setup time, the digits example (accuracy, time, disk
-use, output), the segmentation and regression examples (per-class IoU; R², MAE and the linear
-baseline; times) and the test suite (count, time), with the machine they were measured on.
+use, output; its accuracy over seeds), the imbalanced digits (recall per class over seeds), the
+segmentation and regression examples (per-class IoU; R², MAE and the linear baseline; times) and
+the test suite (count, time), with the machine they were measured on.
 
 Usage, from the root of a checkout (best a fresh clone, so setup.sh really installs)::
 
@@ -9,13 +10,23 @@ Usage, from the root of a checkout (best a fresh clone, so setup.sh really insta
     python3 bench/readme_figures.py --skip-setup --skip-example --skip-tests   # segmentation + regression only
     python3 bench/readme_figures.py --out docs         # also write docs/figures.md and the quotes
     python3 bench/readme_figures.py --quote            # only rewrite the quotes from docs/figures.md
+    python3 bench/readme_figures.py --skip-setup --skip-tasks --skip-tests --out docs   # README's two
+
+The Quickstart's command runs once per seed of ``--seeds`` (default 2020 1 2; 2020, its default,
+first: README quotes that run's line), each in its own work_dir, and examples/imbalanced.py once
+per seed; README states the spread over the seeds (the Quickstart's min–max and mean; the imbalanced
+table's mean per cell with its min–max). One machine's seeds, not other machines: the CPU is named
+(model, cores, AVX-512) with torch's build and the CPU kernels it picked, since another CPU picks
+other kernels and moves the last digits.
 
 Only the standard library is used here: the script runs ``./setup.sh`` first (timed; a no-op on
 a checkout that is already set up) and everything else with ``.venv/bin/python``. It prints one
 JSON document; ``--out`` also writes ``figures.md`` there. docs/figures.md is the one source of
 the Quickstart's figure: README.md and docs/index.md quote it between ``<!-- quickstart-figure:
 ... -->`` and ``<!-- /quickstart-figure -->``, rewritten from docs/figures.md by ``--out docs``
-and ``--quote`` (tests/test_readme.py checks that they agree). The benchmark and pruning figures
+and ``--quote``, and README's imbalanced table between ``<!-- imbalanced-table: ... -->`` and
+``<!-- /imbalanced-table -->`` (tests/test_readme.py checks that they agree). A run that skips a
+part keeps that part's rows from the figures.md it replaces, under their own date. The benchmark and pruning figures
 have their own scripts (``bench/bench_loop.py``, ``bench/prune_latency.py``).
 """
 import argparse
@@ -422,8 +433,7 @@ def quote(m: Dict[str, Any], page: str) -> str:
                   f"{1 / VAL_IMAGES:.4f} each); the spread over seeds and machines is not measured yet.")
     if page == "readme":
         text = (f"Measured by `bench/readme_figures.py` on {m['date']} at commit {m['commit']} ({machine}; "
-                f"torch {m['torch']}): {m['seconds']} s for the command, the digits already written "
-                f"([all figures](docs/figures.md)). {spread}")
+                f"torch {m['torch']}): {m['seconds']} s for the command ([all figures](docs/figures.md)). {spread}")
     else:
         text = (f"Measured by `bench/readme_figures.py` on {m['date']} at commit {m['commit']} ({machine}, "
                 f"{m['memory']} GiB; Python {m['python']}, torch {m['torch']}): **{100 * m['final_accuracy']:.1f}% "
@@ -453,11 +463,10 @@ def imbalanced_quote(text: str) -> str:
     m, im = parse_figures_md(text), parse_imbalanced(text)
     seeds = list(dict.fromkeys(r["seed"] for r in im["runs"]))
     sentence = (f"Its defaults ({im['net_type']}, {im['input_size']}, {im['num_epochs']} epochs), seeds "
-                f"{', '.join(map(str, seeds))}, measured by `bench/readme_figures.py` on {m['date']} at commit "
-                f"{m['commit']} ({m['cpu']}, {m['cores']} cores, {'a CUDA GPU' if m['gpu'] == 'a CUDA GPU' else 'no GPU'}"
-                f"): recall per class on the {VAL_IMAGES} validation images, the mean over the seeds and "
-                f"(min–max) where they differ ([per seed](docs/figures.md)):")
-    return f"{wrap(sentence)}\n\n{imbalanced_table(im)}\n"
+                f"{', '.join(map(str, seeds))}; `bench/readme_figures.py` on {m['date']} at {m['commit']} "
+                f"({m['cpu']}, {m['cores']} cores, {'a CUDA GPU' if m['gpu'] == 'a CUDA GPU' else 'no GPU'}). "
+                f"Recall on the {VAL_IMAGES} validation images, mean over the seeds (min–max):")
+    return f"{wrap(sentence, 110)}\n\n{imbalanced_table(im)}\n"
 
 
 def write_quotes() -> List[str]:

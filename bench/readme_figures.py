@@ -351,12 +351,12 @@ def parse_figures_md(text: str) -> Dict[str, Any]:
         raise ValueError("docs/figures.md holds no example figures (it was written with --skip-example): "
                          "rewrite it with python3 bench/readme_figures.py --out docs")
     final = re.match(r"final test/Accuracy (\S+) \(best (\S+)\) after (\d+) epochs", rows[start])
-    took = re.match(r"(\d+) s \(digits prepared beforehand in (\d+) s", rows[start + 1])
+    took = re.match(r"(\d+) s \(digits prepared beforehand in (\d+) s(?:; load average (\S+) before)?", rows[start + 1])
     epochs = [float(t) for t in rows[start + 2].rstrip(" s").split(", ")]
     disk = re.match(r"([\d,]+) bytes", rows[start + 3])
     return {**head.groupdict(), "cores": int(head.group("cores")), "final_accuracy": float(final.group(1)),
             "best_accuracy": float(final.group(2)), "epochs": int(final.group(3)), "seconds": int(took.group(1)),
-            "prepare_seconds": int(took.group(2)), "epoch_seconds": epochs,
+            "prepare_seconds": int(took.group(2)), "load": took.group(3), "epoch_seconds": epochs,
             "disk_bytes": int(disk.group(1).replace(",", "")), "seeds": parse_seeds(text)}
 
 
@@ -430,14 +430,15 @@ def quote(m: Dict[str, Any], page: str) -> str:
     machine = f"{m['cpu']}, {m['cores']} cores{avx}, {'a CUDA GPU' if m['gpu'] == 'a CUDA GPU' else 'no GPU'}"
     wrong = round((1 - m["final_accuracy"]) * VAL_IMAGES)
     if m.get("seeds"):
-        spread = (f"{spread_sentence(m['seeds'])}; on {m['cpu']}. Another CPU or torch build picks other kernels "
-                  f"and can differ by a few test images more (1/{VAL_IMAGES} = {1 / VAL_IMAGES:.4f} each).")
+        spread = (f"{spread_sentence(m['seeds'])}; on {m['cpu']}. Another CPU or torch build (other kernels) "
+                  f"can differ by a few test images more (1/{VAL_IMAGES} = {1 / VAL_IMAGES:.4f} each).")
     else:
         spread = (f"Another CPU or torch build can differ by a few test images (1/{VAL_IMAGES} = "
                   f"{1 / VAL_IMAGES:.4f} each); the spread over seeds and machines is not measured yet.")
     if page == "readme":
         text = (f"Measured by `bench/readme_figures.py` on {m['date']} at commit {m['commit']} ({machine}; "
-                f"torch {m['torch']}): {m['seconds']} s for the command ([all figures](docs/figures.md)). {spread}")
+                f"torch {m['torch']}): {m['seconds']} s for the command at load {m['load']} ([all figures](docs/figures.md)). "
+                f"{spread}")
     else:
         text = (f"Measured by `bench/readme_figures.py` on {m['date']} at commit {m['commit']} ({machine}, "
                 f"{m['memory']} GiB; Python {m['python']}, torch {m['torch']}): **{100 * m['final_accuracy']:.1f}% "

@@ -4,7 +4,8 @@ Every fenced block says what it is (``bash`` commands, a ``python`` script, or `
 run); the python script runs as printed (its flags parse in the quick loop; it trains, with
 smaller settings given by its own flags, in the slow tests); every command names files, scripts,
 modules, extras and flags that exist (each script's ``--help`` is read in this process); and the
-figure the Quickstart quotes is the one ``bench/readme_figures.py`` measured (docs/figures.md).
+figure the Quickstart quotes, with its spread over seeds, and the imbalanced table (a mean over
+seeds) are the ones ``bench/readme_figures.py`` measured (docs/figures.md).
 
 The Quickstart's first command at full length (6 epochs of resnet18) is what
 ``bench/readme_figures.py`` runs and records; tests/test_example.py runs the same script on tiny data.
@@ -237,10 +238,41 @@ def test_quoted_figures_are_the_measured_ones():
             f"{page}'s quoted figures differ from docs/figures.md: run python3 bench/readme_figures.py --quote")
     final = re.search(r"final test/Accuracy: (\d\.\d{4})", _read("README.md"))
     assert final and float(final.group(1)) == measured["final_accuracy"]
+    # the line quoted is the default seed's, and the spread beside it is over at least three seeds
+    seeds = measured["seeds"]
+    assert len(seeds) >= 3 and seeds[0]["seed"] == 2020, seeds
+    assert seeds[0]["final_accuracy"] == measured["final_accuracy"], seeds
+    finals = [r["final_accuracy"] for r in seeds]
+    known = {measured["final_accuracy"], measured["best_accuracy"], round(sum(finals) / len(finals), 4),
+             *finals, *(r["best_accuracy"] for r in seeds)}
     for page in ("README.md", "docs/index.md", "docs/development.md", "docs/checkpoints.md"):
-        text = _read(page)
+        text = re.sub(r"<!-- imbalanced-table: .*?<!-- /imbalanced-table -->", "", _read(page), flags=re.S)
         for number in re.findall(r"\b0\.9\d{3}\b", text):          # an accuracy of the Quickstart
-            assert float(number) in (measured["final_accuracy"], measured["best_accuracy"]), (page, number)
+            assert float(number) in known, (page, number)
+
+
+def test_imbalanced_table_is_the_measured_one():
+    """README's table of examples/imbalanced.py is the mean over the seeds docs/figures.md records
+    (bench/readme_figures.py ran them), rendered by the script (``--quote`` rewrites it)."""
+    figures = _figures_script()
+    text = _read("docs/figures.md")
+    measured = figures.parse_imbalanced(text)
+    assert measured, "docs/figures.md has no examples/imbalanced.py runs: python3 bench/readme_figures.py --out docs"
+    runs = measured["runs"]
+    for balance in ("none", "sqrt"):
+        assert len({r["seed"] for r in runs if r["balance"] == balance}) >= 3, (balance, runs)
+    assert _marked(_read("README.md"), "imbalanced-table") == figures.imbalanced_quote(text), (
+        "README's imbalanced table differs from docs/figures.md: run python3 bench/readme_figures.py --quote")
+
+
+def test_imbalanced_cells_are_means_with_their_range():
+    """A cell of the table is the mean over the seeds and, where they differ, their min–max."""
+    figures = _figures_script()
+    runs = [{"seed": seed, "balance": "none", "recall": {"0": r0, "1": 1.0}, "accuracy": acc,
+             "balanced_accuracy": acc} for seed, r0, acc in ((2020, 0.25, 0.5), (1, 0.5, 0.75), (2, 0.75, 1.0))]
+    rows = figures.imbalanced_table({"runs": runs}).splitlines()
+    assert rows[0] == "| balance | recall 0 | 1 | accuracy | balanced accuracy |"
+    assert rows[2] == "| none | 0.500 (0.250–0.750) | 1.000 | 0.7500 (0.5000–1.0000) | 0.7500 (0.5000–1.0000) |"
 
 
 # ---------------------------------------------------------------------------------- slow

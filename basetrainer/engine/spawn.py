@@ -32,8 +32,8 @@ def spawn(fn: Callable, nprocs: int, args: Tuple, grace: float = 120.0) -> None:
     once. A rank that ends stalled (exit :data:`~basetrainer.runtime.watchdog.EXIT_STALL`, after
     its stall report) lets the others end the same way for up to :data:`STALL_GRACE` seconds, and
     this process then exits with that status too (SystemExit); a rank ended by a fatal signal
-    (gloo's abort at a collective mismatch) lets them fail and report for :data:`CRASH_GRACE`. When it returns or raises, no
-    process of the job (DataLoader workers included) is left.
+    (gloo's abort at a collective mismatch) lets them fail and report for :data:`CRASH_GRACE`.
+    When it returns or raises, no process of the job (DataLoader workers included) is left.
     """
     import torch.multiprocessing as mp
 

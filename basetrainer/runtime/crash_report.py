@@ -63,7 +63,8 @@ class FatalStacks:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             earlier = stacks.read_crash(os.path.dirname(self.path), self.rank, 0.0)
             if earlier is not None and earlier.get("crashed"):
-                atomic.set_aside(self.path, time.strftime(".%Y%m%d-%H%M%S", time.localtime(os.stat(self.path).st_mtime)))
+                when = time.localtime(os.stat(self.path).st_mtime)
+                atomic.set_aside(self.path, time.strftime(".%Y%m%d-%H%M%S", when))
             self.file = open(self.path, "w", encoding="utf-8")
             self.file.write(stacks.CRASH_HEADER.format(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
                                                        thread=threading.get_ident()))
@@ -106,8 +107,9 @@ def report_failure(exc: BaseException, folder: str, rank: int, world_size: int, 
     message = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     summary = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                "failed": f"{type(exc).__name__}: {message[:300]}", "stall_timeout": 0, "progress": progress.count,
-               "steps": progress.steps, "batches": progress.batches, "callback": progress.where, "collective": stacks.comm_collective(entries),
-               "seq": progress.seq, "dataloader_workers": [], **stacks.frames(entries)}
+               "steps": progress.steps, "batches": progress.batches, "callback": progress.where,
+               "collective": stacks.comm_collective(entries), "seq": progress.seq, "dataloader_workers": [],
+               **stacks.frames(entries)}
     deadline = time.monotonic() + _LOWER_S   # a lower rank may be failing too, a moment later: it reports
     while any(stacks.alive(folder, lower, since) for lower in range(rank)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -133,6 +133,7 @@ class Watchdog:
             return self
         _RUNNING.append(self)
         self._started = time.time()
+        PROGRESS.steps = PROGRESS.batches = 0   # counted from here on every rank alike (a resume too)
         if self.world_size > 1:   # a rank aborted by a collective mismatch leaves its stacks (stall or not)
             self._fatal = crash_report.FatalStacks(self.folder, self.rank).__enter__()
         if self.timeout > 0:
@@ -201,7 +202,8 @@ class Watchdog:
                         "recent call first):\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
-            stall_report.write_text(os.path.join(self.folder, f"stall-rank{self.rank}.json"), json.dumps(summary, indent=1))
+            stall_report.write_text(os.path.join(self.folder, f"stall-rank{self.rank}.json"),
+                                    json.dumps(summary, indent=1))
             report = os.path.join(self.folder, stall_report.REPORT)
             if self.rank == 0:
                 text = stall_report.gather(self.folder, self.world_size, self._started, self.gather)

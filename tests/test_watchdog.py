@@ -251,8 +251,8 @@ def test_with_batchnorm_a_skipped_batch_stalls_and_the_report_names_the_rank_tha
     done, text, to_report, wall, pids, work = _stall(script, tmp_path, "cbn", 2, sleeper=1)
     _check_common(done, text, to_report, pids, work, 2)
     rank1 = next(t for t in text.splitlines() if t.startswith("rank 1"))
-    assert "backward passes (it skipped 1 step(s))" in rank1, text
-    assert "differs: rank(s) [1]: finished train batches without their backward pass" in text, text
+    assert "6 train batches done, 5 of them through the engine's train_step" in rank1, text
+    assert "differs: rank(s) [1]: finished train batches without the engine's train step" in text, text
 
 
 @pytest.mark.slow
@@ -302,11 +302,11 @@ def test_fatal_stacks_go_to_the_crash_file_while_a_job_runs_and_read_back_as_the
 def test_a_crash_file_of_an_earlier_run_is_kept_and_a_killed_rank_is_told_apart(tmp_path, no_faulthandler):
     folder = str(tmp_path)
     with open(os.path.join(folder, "crash-rank0.txt"), "w") as f:   # an earlier run's rank 0 aborted
-        f.write(stacks.CRASH_HEADER.format(rank=0, pid=os.getpid(), host="h", thread=1) + "Fatal Python error: "
+        f.write(stacks.CRASH_HEADER.format(rank=0, pid=os.getpid(), host="h", thread=1, elsewhere="") + "Fatal Python error: "
                 "Aborted\n\nThread 0x0000000000000001 (most recent call first):\n  File \"t.py\", line 3 in f\n")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     with open(os.path.join(folder, "crash-rank1.txt"), "w") as f:   # rank 1 SIGKILLed: only the header
-        f.write(stacks.CRASH_HEADER.format(rank=1, pid=int(dead.stdout), host=socket.gethostname(), thread=1))
+        f.write(stacks.CRASH_HEADER.format(rank=1, pid=int(dead.stdout), host=socket.gethostname(), thread=1, elsewhere=""))
     killed = stacks.read_crash(folder, 1, 0.0)
     assert killed["killed"] and not stacks.alive(folder, 1, 0.0), killed
     assert "ended without a Python trace (SIGKILL" in stall_report.describe(killed)
@@ -316,14 +316,19 @@ def test_a_crash_file_of_an_earlier_run_is_kept_and_a_killed_rank_is_told_apart(
         assert stacks.read_crash(folder, 0, 0.0) is None   # this run's file: only its header
     no_faulthandler.enable()   # the user's own (or -X faulthandler): left where the user sent it
     with watchdog.Watchdog(0, folder, rank=0, world_size=2, exit=False):
-        assert not os.path.exists(os.path.join(folder, "crash-rank0.txt")) and no_faulthandler.is_enabled()
-    assert no_faulthandler.is_enabled()
+        with open(os.path.join(folder, "crash-rank0.txt")) as f:   # the header only: it still tells who runs
+            assert f.read().endswith(stacks.ELSEWHERE + "\n") and stacks.alive(folder, 0, 0.0)
+    assert no_faulthandler.is_enabled() and not os.path.exists(os.path.join(folder, "crash-rank0.txt"))
+    with open(os.path.join(folder, "crash-rank1.txt"), "w") as f:   # such a rank, gone
+        f.write(stacks.CRASH_HEADER.format(rank=1, pid=int(dead.stdout), host=socket.gethostname(), thread=1,
+                                           elsewhere=stacks.ELSEWHERE))
+    assert "its stacks where faulthandler was sent" in stacks.read_crash(folder, 1, 0.0)["killed"]
 
 
 def test_a_failure_report_that_cannot_be_written_is_printed_whole(tmp_path, monkeypatch, capsys):
     folder = str(tmp_path)
     with open(os.path.join(folder, "crash-rank1.txt"), "w") as f:
-        f.write(stacks.CRASH_HEADER.format(rank=1, pid=12345, host="h", thread=1) + "Fatal Python error: Aborted\n")
+        f.write(stacks.CRASH_HEADER.format(rank=1, pid=12345, host="h", thread=1, elsewhere="") + "Fatal Python error: Aborted\n")
 
     def full(path, text):
         raise OSError(28, "No space left on device")
@@ -556,6 +561,12 @@ def test_the_report_names_the_odd_rank_out_of_three_and_the_one_behind_of_two():
     skipped = {0: {**_summary(0, 4, torch_collective="broadcast"), "batches": 7, "steps": 7},
                1: {**_summary(1, 5, "any_true"), "batches": 8, "steps": 7}}   # F1: the rank ahead skipped
     assert stall_report.differs(skipped, 2).startswith("differs: rank(s) [1]: finished train batches without")
+    own_steps = {0: {**_summary(0, 4), "in_backward": True, "batches": 2, "steps": 0},   # an override that never calls
+                 1: {**_summary(1, 4, user="sleep"), "batches": 2, "steps": 0}}  # the engine's step: no claim
+    assert stall_report.differs(own_steps, 2).startswith("differs: rank(s) [1]:"), stall_report.differs(own_steps, 2)
+    after_step = {0: {**_summary(0, 4, user="train_step"), "batches": 6, "steps": 7},   # asleep after super()
+                  1: {**_summary(1, 5, "any_true"), "batches": 7, "steps": 7}}
+    assert stall_report.differs(after_step, 2).startswith("differs: rank(s) [0]:")
     crashed = {0: {**_summary(0, None, "any_true"), "crashed": "Aborted"}, 1: _summary(1, 6, torch_collective="x")}
     assert stall_report.differs(crashed, 2).startswith("differs: rank(s) [1]: in a torch.distributed collective")
     crashed[1] = _summary(1, 6, "any_true")

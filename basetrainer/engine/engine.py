@@ -218,10 +218,10 @@ class Engine:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
-        watchdog.PROGRESS.steps += 1   # the backward passes done (see the loop's batches)
         self._updated = update
         if update:
             self.optimizer_step()
+        watchdog.PROGRESS.steps += 1   # train steps done (see the loop's batches)
         return outputs, losses
 
     def optimizer_step(self) -> None:

@@ -49,16 +49,16 @@ class FatalStacks:
     stacks in it is kept under another name (``crash-rank<k>.txt.<time>``); one with only the
     header (a rank killed without a trace) is replaced. Left alone: a process where faulthandler
     is already on (``-X faulthandler``, ``PYTHONFAULTHANDLER`` or the user's own ``enable``: its
-    output goes where the user sent it), and a folder that cannot be written to (a read-only
-    finished run being evaluated)."""
+    output goes where the user sent it; the file then holds only the header, which still tells
+    whether the rank runs), and a folder that cannot be written to (a read-only finished run
+    being evaluated)."""
 
     def __init__(self, folder: str, rank: int) -> None:
         self.path = os.path.join(folder, f"crash-rank{rank}.txt")
         self.rank, self.file = rank, None
 
     def __enter__(self) -> "FatalStacks":
-        if faulthandler.is_enabled():
-            return self
+        elsewhere = faulthandler.is_enabled()   # then the file only tells whether the rank runs
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             earlier = stacks.read_crash(os.path.dirname(self.path), self.rank, 0.0)
@@ -67,20 +67,22 @@ class FatalStacks:
                 atomic.set_aside(self.path, time.strftime(".%Y%m%d-%H%M%S", when))
             self.file = open(self.path, "w", encoding="utf-8")
             self.file.write(stacks.CRASH_HEADER.format(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
-                                                       thread=threading.get_ident()))
+                                                       thread=threading.get_ident(),
+                                                       elsewhere=stacks.ELSEWHERE if elsewhere else ""))
             self.file.flush()
         except OSError:
             self.file = None
             return self
-        faulthandler.enable(file=self.file, all_threads=True)
-        _ACTIVE.append(self)
+        if not elsewhere:
+            faulthandler.enable(file=self.file, all_threads=True)
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.file is None:
             return
-        faulthandler.disable()
         if self in _ACTIVE:
+            faulthandler.disable()
             _ACTIVE.remove(self)
         self.file.close()
         self.file = None

@@ -60,7 +60,9 @@ def frames(entries: List[Tuple[str, int, str]]) -> Dict[str, Any]:
 
 
 #: the first line of ``crash-rank<k>.txt``; faulthandler appends the stacks at a fatal signal
-CRASH_HEADER = "basetrainer crash-rank{rank}: pid {pid} on {host}, main thread 0x{thread:016x}\n"
+CRASH_HEADER = "basetrainer crash-rank{rank}: pid {pid} on {host}, main thread 0x{thread:016x}{elsewhere}\n"
+#: the header's end when faulthandler was on before (its output goes where the user sent it)
+ELSEWHERE = "; stacks at a fatal signal: where faulthandler was sent before the run"
 _HEADER = re.compile(r"basetrainer crash-rank(\d+): pid (\d+) on (\S+), main thread 0x([0-9a-f]+)")
 _THREAD = re.compile(r"(?:Current thread|Thread) 0x([0-9a-f]+)")
 _FILE = re.compile(r'\s+File "(.*)", line (\d+) in (.*)')
@@ -93,7 +95,10 @@ def read_crash(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]
         if header.group(3) != socket.gethostname() or _pid_alive(int(header.group(2))):
             return None
         return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": stat.st_mtime,
-                "killed": True, "stall_timeout": 0, "steps": None, "seq": None, "stacks": path}
+                "killed": ("ended on a signal, its stacks where faulthandler was sent before the run" if ELSEWHERE
+                           in lines[0] else "ended without a Python trace (SIGKILL: e.g. the out-of-memory killer, "
+                                            "or a job scheduler)"),
+                "stall_timeout": 0, "steps": None, "seq": None, "stacks": path}
     fatal = next((t.split(":", 1)[1].strip() for t in lines if t.startswith("Fatal Python error:")), "a fatal signal")
     stacks: Dict[int, List[Tuple[str, int, str]]] = {}
     current: List[Tuple[str, int, str]] = []

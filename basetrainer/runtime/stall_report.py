@@ -80,17 +80,14 @@ def describe(s: Dict[str, Any]) -> str:
     """One rank's place, in one line."""
     parts = [f"rank {s['rank']} (pid {s['pid']} on {s['host']}):"]
     if s.get("killed"):
-        return " ".join(parts + ["ended without a Python trace (SIGKILL: e.g. the out-of-memory killer, or a job "
-                                 "scheduler)"])
+        return " ".join(parts + [s["killed"]])
     if s.get("crashed"):
         parts.append(f"ended on a fatal signal ({s['crashed']}; gloo aborts a process whose collective receives a "
                      f"message of another size: a collective mismatch),")
     elif s.get("failed"):
         parts.append(f"its collective failed ({s['failed']}),")
     if s.get("batches"):   # a train phase (evaluate and predict run none)
-        skipped = s["batches"] - s["steps"]
-        parts.append(f"{s['batches']} train batches done" + (f" but only {s['steps']} backward passes (it skipped "
-                                                             f"{skipped} step(s))," if skipped > 0 else ","))
+        parts.append(f"{s['batches']} train batches done, {s['steps']} of them through the engine's train_step,")
     if s.get("callback"):
         parts.append(f"in {s['callback']},")
     if s.get("collective"):
@@ -214,25 +211,34 @@ def differs(summaries: Dict[int, Dict[str, Any]], world_size: int) -> str:
     if world_size == 1:
         return "one process: it is stalled at the place above"
     crashed = sorted(r for r, s in summaries.items() if s.get("crashed"))
+    dead = sorted(r for r, s in summaries.items() if s.get("crashed") or s.get("killed"))
     own = sorted(r for r, s in summaries.items() if s.get("torch_collective") and not s.get("collective")
-                 and not s.get("crashed"))
-    if crashed and own:   # a collective of the user's own, run by some ranks only
-        return (f"differs: rank(s) {own}: in a torch.distributed collective of their own (above) when gloo aborted "
-                f"rank(s) {crashed} at a message of another size: likely a collective the other ranks did not run")
+                 and r not in dead)
+    if dead and own:   # a collective of the user's own, run by some ranks only
+        return (f"differs: rank(s) {own}: in a torch.distributed collective of their own (above) when rank(s) "
+                f"{dead} ended (gloo aborts a process at a message of another size): likely a collective the other "
+                f"ranks did not run")
     if crashed:   # its collective met another kind or size of message: the ranks' collectives differ
         return (f"differs: rank(s) {crashed}: aborted by gloo in the place above (its collective received a message "
                 f"of another size), and the others' collectives failed with it. The ranks' collectives did not "
                 f"match: one rank skipped or repeated a step (an exception swallowed in train_step?), or ran a "
                 f"collective the others did not; the aborted rank is where it was detected")
-    skipped = sorted(r for r, s in summaries.items() if s.get("batches") is not None and s["batches"] > s["steps"])
+    # a rank whose train batches outnumber its train steps while another's do not: its override of
+    # train_step returned without the engine's step (an override that never calls it: all alike)
+    deficit = {r: s["batches"] - s["steps"] for r, s in summaries.items() if s.get("batches") is not None}
+    skipped = sorted(r for r, d in deficit.items() if d > 0 and min(deficit.values()) < d)
     # every rank runs every step's collectives (DDP's): one that skipped a step pairs them wrongly
     # (checked after a crash: a rank may then have swallowed its own failed collective)
     if skipped:
-        return (f"differs: rank(s) {skipped}: finished train batches without their backward pass (an exception "
-                f"swallowed in train_step?): its collectives no longer pair with the other ranks'")
+        return (f"differs: rank(s) {skipped}: finished train batches without the engine's train step (its forward, "
+                f"backward and DDP's collectives; an exception swallowed in train_step?): its collectives no longer "
+                f"pair with the other ranks'")
     ended = sorted(r for r, s in summaries.items() if s.get("killed"))
     if ended:
-        return f"differs: rank(s) {ended}: killed without a trace; the others' collectives failed with it"
+        return f"differs: rank(s) {ended}: ended on a signal (above); the others' collectives failed with it"
+    if missing and any(s.get("failed") for s in summaries.values()):
+        return (f"differs: rank(s) {missing}: ended first (no summary: an exception or exit, its traceback shown by "
+                f"the launcher); the others' collectives failed with it")
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for rank, s in sorted(summaries.items()):
         groups.setdefault(_place(s), []).append(rank)

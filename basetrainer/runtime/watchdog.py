@@ -56,8 +56,8 @@ class Progress:
         self.where = ""           # "callback <Name>.<event>" while a callback runs, else ""
         self.collective = ""      # the comm collective waited in ("" when none)
         self.seq = 0              # comm collectives entered by this process
-        self.steps = 0            # train steps whose backward pass ended
-        self.batches = 0          # train batches done: more than steps when train_step skipped one
+        self.steps = 0            # the engine's train steps done (forward, backward, optimizer step)
+        self.batches = 0          # train batches done: more than steps when an override skipped one
 
 
 #: this process's progress stamp

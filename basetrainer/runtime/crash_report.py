@@ -113,9 +113,10 @@ def report_failure(exc: BaseException, folder: str, rank: int, world_size: int, 
                "collective": stacks.comm_collective(entries), "seq": progress.seq, "dataloader_workers": [],
                **stacks.frames(entries)}
     deadline = time.monotonic() + _LOWER_S   # a lower rank may be failing too, a moment later: it reports
-    while any(stacks.alive(folder, lower, since) for lower in range(rank)) and time.monotonic() < deadline:
+    while (lower_runs := any(stacks.alive(folder, lower, since) for lower in range(rank))) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
-    reports = not any(stacks.alive(folder, lower, since) for lower in range(rank))
+    reports = not lower_runs
     path, unwritten = os.path.join(folder, stall_report.REPORT), None
     try:
         os.makedirs(folder, exist_ok=True)

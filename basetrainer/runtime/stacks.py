@@ -10,6 +10,8 @@ import socket
 import sysconfig
 from typing import Any, Dict, List, Optional, Tuple
 
+from basetrainer.runtime import processes
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SYSTEM = tuple(sorted({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
                         if (p := sysconfig.get_paths().get(key))}))
@@ -74,27 +76,40 @@ def comm_collective(entries: List[Tuple[str, int, str]]) -> str:
     return next((e[2] for e in reversed(entries) if os.path.abspath(e[0]) == _COMM), "")
 
 
-def read_crash(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
-    """Rank ``rank``'s summary from the stacks faulthandler wrote into ``crash-rank<k>.txt`` when
-    the process ended on a fatal signal (``crashed``: faulthandler's words, e.g. "Aborted"), or
-    ``killed`` when the file holds only its header but the process is gone (SIGKILL). None: no
-    such file (the rank never had one, or ended through Python), or the rank still runs."""
+def _crash_file(folder: str, rank: int, since: float) -> Optional[Tuple[str, float, List[str], Any]]:
+    """``crash-rank<k>.txt`` of rank ``rank`` written after ``since``: (path, mtime, lines, header
+    match), or None (no such file, an earlier run's, or not one of ours)."""
     path = os.path.join(folder, f"crash-rank{rank}.txt")
     try:
-        stat = os.stat(path)
-        if stat.st_mtime < since - 1:
+        mtime = os.stat(path).st_mtime
+        if mtime < since - 1:
             return None
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
     header = _HEADER.match(lines[0]) if lines else None
-    if header is None:
+    return (path, mtime, lines, header) if header is not None else None
+
+
+def _runs(header: Any) -> bool:
+    """Whether the process a header names runs (one on another machine is taken to)."""
+    return header.group(3) != socket.gethostname() or processes.running(int(header.group(2)))
+
+
+def read_crash(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]:
+    """Rank ``rank``'s summary from the stacks faulthandler wrote into ``crash-rank<k>.txt`` when
+    the process ended on a fatal signal (``crashed``: faulthandler's words, e.g. "Aborted"), or
+    ``killed`` when the file holds only its header but the process is gone (SIGKILL). None: no
+    such file (the rank never had one, or ended through Python), or the rank still runs."""
+    found = _crash_file(folder, rank, since)
+    if found is None:
         return None
+    path, mtime, lines, header = found
     if len(lines) < 2:   # only the header: the rank runs, or was killed without a trace
-        if header.group(3) != socket.gethostname() or _pid_alive(int(header.group(2))):
+        if _runs(header):
             return None
-        return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": stat.st_mtime,
+        return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": mtime,
                 "killed": ("ended on a signal, its stacks where faulthandler was sent before the run" if ELSEWHERE
                            in lines[0] else "ended without a Python trace (SIGKILL: e.g. the out-of-memory killer, "
                                             "or a job scheduler)"),
@@ -108,30 +123,14 @@ def read_crash(folder: str, rank: int, since: float) -> Optional[Dict[str, Any]]
         elif entry := _FILE.match(line):
             current.append((entry.group(1), int(entry.group(2)), entry.group(3).strip()))
     entries = list(reversed(stacks.get(int(header.group(4), 16), [])))   # faulthandler: innermost first
-    return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": stat.st_mtime,
+    return {"rank": rank, "host": header.group(3), "pid": int(header.group(2)), "time": mtime,
             "crashed": fatal, "stall_timeout": 0, "progress": None, "steps": None, "callback": "",
             "collective": comm_collective(entries), "seq": None, "dataloader_workers": [], "stacks": path,
             **frames(entries)}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def alive(folder: str, rank: int, since: float) -> bool:
     """Whether rank ``rank`` of this machine still runs: its crash file holds only the header
     (removed when the rank ends through Python, filled at a fatal signal) and its pid lives."""
-    try:
-        with open(os.path.join(folder, f"crash-rank{rank}.txt"), encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-        header = _HEADER.match(lines[0]) if lines and os.stat(f.name).st_mtime >= since - 1 else None
-    except OSError:
-        return False
-    return header is not None and len(lines) == 1 and (header.group(3) != socket.gethostname()
-                                                        or _pid_alive(int(header.group(2))))
+    found = _crash_file(folder, rank, since)
+    return found is not None and len(found[2]) == 1 and _runs(found[3])

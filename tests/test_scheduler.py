@@ -166,6 +166,22 @@ def test_milestones_beyond_num_epochs_warn(caplog):
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def test_negative_or_fractional_milestones_are_refused():
+    """``--milestones -1`` was taken silently and trained the whole run at lr/10 (a negative
+    milestone counts as passed from the start: hostile pass)."""
+    from basetrainer.runtime.errors import ConfigError
+    from basetrainer.utils import setup_config
+
+    rule = "must be 0-based epochs, integers >= 0"
+    with pytest.raises(ConfigError, match=r"^config key 'milestones' = \[-1\] " + rule):
+        setup_config.validate(setup_config.Config(milestones=[-1]))
+    for bad in ([-1], [2, -3], [1.5], [True]):
+        with pytest.raises(ConfigError) as info:
+            make_sched("multi-step", milestones=bad)
+        assert str(info.value).startswith(f"milestones={bad!r} {rule}") and "remove it" in str(info.value)
+    assert make_sched("multi-step", milestones=[0, 2]).lr_at(0)[0] == pytest.approx(LR * 0.1)   # 0 is fine
+
+
 def test_warmup_covering_all_epochs_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="basetrainer"):
         make_sched("constant", num_epochs=2, num_warn_up=2)

@@ -16,7 +16,7 @@ import torch
 from basetrainer.callbacks.callbacks import Callback
 from basetrainer.runtime import comm
 from basetrainer.runtime.errors import ConfigError
-from basetrainer.utils.setup_config import LR_RULE, SCHEDULE_ON_RESUME, valid_lr
+from basetrainer.utils.setup_config import LR_RULE, MILESTONES_RULE, SCHEDULE_ON_RESUME, valid_lr, valid_milestones
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,8 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
         num_steps: train batches per epoch (``len(train_loader)``, the trainer's ``num_steps``);
             with ``accumulate_steps`` the schedule counts ``ceil(num_steps / accumulate_steps)``
             optimizer steps per epoch.
-        milestones: 0-based epochs from which the LR is multiplied by ``gamma`` (multi-step).
+        milestones: 0-based epochs from which the LR is multiplied by ``gamma`` (multi-step):
+            integers >= 0.
         num_warn_up: epochs of linear warm-up, applied per optimizer step: step k of the warm-up
             has LR ``lr_init * (k + 1) / (num_warn_up * S)``, S the optimizer steps per epoch
             (``num_steps`` without accumulation).
@@ -273,6 +274,8 @@ def get_scheduler(scheduler: str, optimizer: torch.optim.Optimizer, lr_init: Opt
         _replace_default_lr(optimizer, float(lr_init))
     if milestones is not None and not isinstance(milestones, (list, tuple)):
         milestones = [milestones]
+    if milestones is not None and not valid_milestones(milestones):
+        raise ConfigError(f"milestones={list(milestones)!r} {MILESTONES_RULE}")
     late = [m for m in (milestones or []) if int(m) >= num_epochs]
     if name == "multi-step" and late:
         logger.warning("milestones %s are beyond num_epochs=%d (epochs are 0-based): they never apply",

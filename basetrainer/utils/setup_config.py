@@ -206,6 +206,17 @@ LR_RULE = ("must be a finite number >= 0; set it to e.g. 0.1 (0 is allowed: the 
            "for evaluation-only runs or BatchNorm recalibration)")
 
 
+# The rule for LR milestones, shared by the config and get_scheduler.
+MILESTONES_RULE = ("must be 0-based epochs, integers >= 0, from which the LR is multiplied by gamma "
+                   "(e.g. [30, 60, 90]); a negative one counts as passed from the start and would decay the LR of the whole run: remove it")
+
+
+def valid_milestones(value: Any) -> bool:
+    """Whether ``value`` is a list of LR milestones: integers >= 0 (not bools)."""
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(m, numbers.Integral) and not isinstance(m, bool) and m >= 0 for m in value)
+
+
 def valid_lr(value: Any) -> bool:
     """Whether ``value`` is a learning rate: a finite real number >= 0 (not a bool)."""
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -272,6 +283,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"config key 'schedule_on_resume' = {cfg['schedule_on_resume']!r} is not one of "
                           f"{list(SCHEDULE_ON_RESUME)}: stretch (recompute the LR schedule for a changed num_epochs) "
                           f"or restart (a new schedule over the epochs left)")
+    if "milestones" in cfg and not valid_milestones(cfg["milestones"]):
+        raise ConfigError(f"config key 'milestones' = {cfg['milestones']!r} {MILESTONES_RULE}")
     if "lr" in cfg and not valid_lr(cfg["lr"]):
         raise ConfigError(f"config key 'lr' = {cfg['lr']!r} {LR_RULE}")
 

@@ -247,6 +247,33 @@ def test_file_without_a_state_dict(tmp_path):
         torch_tools.load_state_dict(path)
 
 
+def test_a_file_that_is_no_checkpoint_is_one_user_error(tiny_pth, tmp_path):
+    """--resume/--finetune/--pretrained /etc/passwd ended with torch's IndexError and a traceback;
+    a truncated, empty or text file, or one without weights, with a ValueError and a traceback
+    (hostile pass): each is a CheckpointError (a ValueError), which a command says in one line."""
+    from basetrainer.runtime.errors import CheckpointError
+
+    passwd = tmp_path / "passwd"   # the text of /etc/passwd, which torch's legacy reader unpickles
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n")
+    half = tmp_path / "half.pth"
+    half.write_bytes(open(tiny_pth[1], "rb").read()[:200])
+    (tmp_path / "empty.pth").write_bytes(b"")
+    (tmp_path / "text.pth").write_text("hello world\n")
+    for name in ("passwd", "half.pth", "empty.pth", "text.pth"):
+        path = str(tmp_path / name)
+        with pytest.raises(CheckpointError, match=f"^checkpoint file {path!r} is "):
+            torch_tools.load_state_dict(path)
+        with pytest.raises(CheckpointError):   # pretrained: the same one place reads the file
+            build_models.get_models("resnet18", [32, 32], 10, pretrained=path)
+    assert "give a file written by torch.save" in str(pytest.raises(CheckpointError, torch_tools.load_state_dict,
+                                                                    str(passwd)).value)
+    other = str(tmp_path / "a.pth")
+    torch.save({"a": 1}, other)
+    with pytest.raises(CheckpointError, match=r"does not hold a model state_dict \(a dict of tensors\): give a "
+                                              r"file written by torch.save\(model.state_dict\(\)\)"):
+        torch_tools.load_state_dict(other)
+
+
 def test_good_file_round_trip_and_module_prefix(tiny_pth, tmp_path):
     model, path = tiny_pth
     state = torch_tools.load_state_dict(path)

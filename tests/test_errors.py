@@ -20,6 +20,7 @@ COMMON = ["--input_size", "32", "32", "--batch_size", "8", "--gpu_id", "--no-pro
 # ------------------------------------------------------------------------------ the library side
 @pytest.mark.parametrize("kind, builtin", [(errors.ConfigError, ValueError), (errors.ConfigTypeError, TypeError),
                                            (errors.PathError, FileNotFoundError),
+                                           (errors.CheckpointError, ValueError),
                                            (errors.WorkDirError, FileExistsError),
                                            (errors.MissingExtraError, ImportError),
                                            (errors.FolderError, OSError), (errors.RunBusyError, RuntimeError)])

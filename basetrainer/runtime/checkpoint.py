@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from basetrainer.runtime import atomic, shard_folders
+from basetrainer.runtime.errors import CheckpointError
 from basetrainer.runtime.safe_load import crc_errors, load_file, non_finite  # noqa: F401 (their names here too)
 
 logger = logging.getLogger(__name__)
@@ -36,10 +37,11 @@ def extract_state_dict(obj: Any, source: str = "checkpoint") -> Dict[str, torch.
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         if isinstance(obj, dict) and any(isinstance(v, str) and v.startswith(shard_folders.MARKER) for v in obj.values()):
-            raise ValueError(f"{source} is a sharded checkpoint's last.pth (its tensors are in its shard folder): "
-                             f"load a best/per-epoch weights file, or make one file of it with "
-                             f"python -m basetrainer.runtime.sharded <its last.pth> <out.pth>")
-        raise ValueError(f"{source} does not hold a model state_dict (a dict of tensors)")
+            raise CheckpointError(f"{source} is a sharded checkpoint's last.pth (its tensors are in its shard "
+                                  f"folder): load a best/per-epoch weights file, or make one file of it with "
+                                  f"python -m basetrainer.runtime.sharded <its last.pth> <out.pth>")
+        raise CheckpointError(f"{source} does not hold a model state_dict (a dict of tensors): give a file "
+                              f"written by torch.save(model.state_dict()) or a basetrainer checkpoint")
     if obj and all(k.startswith("module.") for k in obj):
         obj = {k[len("module."):]: v for k, v in obj.items()}
     return obj
@@ -227,9 +229,9 @@ class CheckpointFolder:
                                describe(state))
             return path, state
         if damaged:
-            raise ValueError(f"resume='auto': no loadable checkpoint is left in {self.folder}: "
-                             + "; ".join(damaged) + ". Nothing was trained over it. Put a good copy back, or "
-                             "start a new run: another work_dir, or overwrite: true (moves this run aside)")
+            raise CheckpointError(f"resume='auto': no loadable checkpoint is left in {self.folder}: "
+                                  + "; ".join(damaged) + ". Nothing was trained over it. Put a good copy back, "
+                                  "or start a new run: another work_dir, or overwrite: true (moves this run aside)")
         return None
 
     # ------------------------------------------------------------------ writing

@@ -46,6 +46,11 @@ class PathError(UsageError, FileNotFoundError):
     """A file or folder the user named (data, config file, checkpoint) does not exist."""
 
 
+class CheckpointError(UsageError, ValueError):
+    """A file given as a checkpoint or weights (resume, finetune, pretrained, a deploy source)
+    that cannot be used: not a torch file, truncated, damaged, pickled code, or no weights."""
+
+
 class WorkDirError(UsageError, FileExistsError):
     """A new run in a ``work_dir`` that holds another run's files."""
 

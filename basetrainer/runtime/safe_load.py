@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from basetrainer.runtime.errors import PathError
+from basetrainer.runtime.errors import CheckpointError, PathError
 
 
 def load_file(path: str, map_location: Any = "cpu") -> Any:
@@ -20,19 +20,19 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is truncated, damaged (a record differs from its stored CRC-32),
-            not a torch file, or carries pickled code (refused).
+        CheckpointError: (a ValueError) the file is truncated, damaged (a record differs from its
+            stored CRC-32), not a torch file, or carries pickled code (refused).
     """
     if not path or not os.path.isfile(path):
         raise PathError(f"checkpoint file {path!r} does not exist; check the path "
-                                f"(finetune/resume/pretrained keys)")
+                        f"(finetune/resume/pretrained keys)")
     if os.path.getsize(path) == 0:
-        raise ValueError(f"checkpoint file {path!r} is empty (0 bytes): it was not written completely")
+        raise CheckpointError(f"checkpoint file {path!r} is empty (0 bytes): it was not written completely")
     bad = crc_errors(path)
     if bad:   # a changed byte of a weight would load as another finite value
-        raise ValueError(f"checkpoint file {path!r} is damaged: {', '.join(bad[:3])} "
-                         f"{'does' if len(bad) == 1 else 'do'} not match the CRC-32 stored when it was written "
-                         f"(torch.load does not check it); use another copy (e.g. last.prev.pth)")
+        raise CheckpointError(f"checkpoint file {path!r} is damaged: {', '.join(bad[:3])} "
+                              f"{'does' if len(bad) == 1 else 'do'} not match the CRC-32 stored when it was "
+                              f"written (torch.load does not check it); use another copy (e.g. last.prev.pth)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -40,14 +40,28 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         detail = next((line for line in lines if "unsupported" in line.lower()), lines[0] if lines else "")
         if "unsupported global" in str(e).lower():
-            raise ValueError(f"refused to load {path!r}: it holds pickled Python objects that would run "
-                             f"code when loaded (only tensors, numbers, strings, lists and dicts are "
-                             f"accepted). Re-save it as a plain state_dict. Details: {detail}"
-                             ) from None
-        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file ({detail})") from None
+            raise CheckpointError(f"refused to load {path!r}: it holds pickled Python objects that would run "
+                                  f"code when loaded (only tensors, numbers, strings, lists and dicts are "
+                                  f"accepted). Re-save it as a plain state_dict. Details: {detail}"
+                                  ) from None
+        raise _not_a_torch_file(path, detail) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise ValueError(f"checkpoint file {path!r} is truncated or not a torch file "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise _not_a_torch_file(path, _first_line(e)) from None
+    except Exception as e:
+        if zipfile.is_zipfile(path):   # a whole torch file (every torch.save since 1.6): a fault of the program
+            raise
+        # torch's legacy (pre-zip) reader unpickles any other file: text fails it with IndexError,
+        # KeyError, ... (/etc/passwd: "IndexError: list index out of range", with a traceback)
+        raise _not_a_torch_file(path, _first_line(e)) from None
+
+
+def _not_a_torch_file(path: str, detail: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path!r} is truncated or not a torch file ({detail}); give a file "
+                           f"written by torch.save (a checkpoint or a state_dict)")
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def crc_errors(source: Any) -> List[str]:

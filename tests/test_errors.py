@@ -71,6 +71,28 @@ def test_the_library_raises_user_errors_of_the_right_kind(tmp_path):
         build_models.get_models("resnet_18", [32, 32], 3)
 
 
+def test_precision_strategy_and_pruning_values_are_config_errors():
+    """These were plain ValueErrors: a good message, but a traceback and exit 1 (hostile pass)."""
+    import torch
+
+    from basetrainer.engine import precision
+    from basetrainer.pruning import options
+    from basetrainer.runtime import sharding
+    from basetrainer.utils import setup_config
+
+    cpu = torch.device("cpu")
+    with pytest.raises(errors.ConfigError, match=r"^amp='fp16' needs a CUDA device"):
+        precision.check("fp16", cpu, 1)
+    with pytest.raises(errors.ConfigError, match=r"^amp='fp32' is not a precision"):
+        precision.check("fp32", cpu, 1)
+    with pytest.raises(errors.ConfigError, match=r"^strategy: fsdp shards the model .* and none is initialised"):
+        sharding.check_config(setup_config.Config(strategy="fsdp"), cpu, "none")
+    with pytest.raises(errors.ConfigError, match=r"^unknown prune_type 'l3'; choose from"):
+        options.check_prune_type("l3")
+    with pytest.raises(errors.ConfigError, match=r"^sparsity must be in the open interval \(0, 1\), got 2"):
+        options.check_sparsity(2)
+
+
 def test_a_work_dir_that_cannot_be_made_or_written_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     from basetrainer.runtime import run_folder
 

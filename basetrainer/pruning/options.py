@@ -5,6 +5,8 @@ so a bad argument is reported before any optional dependency is looked for.
 """
 from typing import Dict, Sequence, Tuple, Union
 
+from basetrainer.runtime.errors import ConfigError
+
 #: The channel-ranking criteria, keyed by the (lower-case) name ``prune_type`` takes.
 PRUNE_TYPES: Dict[str, str] = {
     "l1": "L1 norm of each output channel's weights (Li et al., 2017)",
@@ -46,10 +48,10 @@ def check_sparsity(sparsity: float) -> float:
     try:
         value = float(sparsity)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise ConfigError(
             f"sparsity must be a number in the open interval (0, 1), got {sparsity!r}") from None
     if not 0.0 < value < 1.0:  # also rejects NaN
-        raise ValueError(
+        raise ConfigError(
             f"sparsity must be in the open interval (0, 1), got {sparsity!r}; it is the fraction of "
             "output channels removed per layer, e.g. sparsity=0.5")
     return value
@@ -69,7 +71,7 @@ def check_prune_type(prune_type: str) -> str:
     """
     key = prune_type.lower() if isinstance(prune_type, str) else prune_type
     if key not in PRUNE_TYPES:
-        raise ValueError(f"unknown prune_type {prune_type!r}; choose from {sorted(PRUNE_TYPES)}")
+        raise ConfigError(f"unknown prune_type {prune_type!r}; choose from {sorted(PRUNE_TYPES)}")
     return key
 
 
@@ -87,7 +89,7 @@ def check_backend(backend: str) -> str:
     """
     key = backend.lower() if isinstance(backend, str) else backend
     if key not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+        raise ConfigError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
     return BACKENDS[key]
 
 
@@ -109,11 +111,11 @@ def parse_input_size(input_size: InputSize) -> Tuple[int, int, int, int]:
     try:
         dims = [int(d) for d in input_size]
     except (TypeError, ValueError):
-        raise ValueError(
+        raise ConfigError(
             f"input_size must be [W, H] or [N, C, H, W] of positive integers, got {input_size!r}"
         ) from None
     if len(dims) not in (2, 4) or any(d <= 0 for d in dims):
-        raise ValueError(
+        raise ConfigError(
             f"input_size must be [W, H] or [N, C, H, W] of positive integers, got {input_size!r}; "
             "e.g. input_size=[224, 224] or input_size=[1, 3, 224, 224]")
     if len(dims) == 2:

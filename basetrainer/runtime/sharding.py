@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from basetrainer.runtime import comm
+from basetrainer.runtime.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -29,9 +30,9 @@ def strategy_of(cfg: Any) -> str:
     """The config's ``strategy`` (``ddp`` or ``fsdp``), checked."""
     value = str((cfg.get("strategy") if cfg is not None and hasattr(cfg, "get") else None) or "ddp").lower()
     if value not in STRATEGIES:
-        raise ValueError(f"config key 'strategy' = {value!r} must be one of {', '.join(STRATEGIES)} "
-                         f"(ddp: every process holds the whole model; fsdp: parameters, gradients and "
-                         f"optimizer state sharded over the processes)")
+        raise ConfigError(f"config key 'strategy' = {value!r} must be one of {', '.join(STRATEGIES)} "
+                          f"(ddp: every process holds the whole model; fsdp: parameters, gradients and "
+                          f"optimizer state sharded over the processes)")
     return value
 
 
@@ -51,9 +52,9 @@ def meta_init(cfg: Any) -> Union[str, bool]:
         return value
     if isinstance(value, str) and value.strip().lower() in META_INIT:
         return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
-    raise ValueError(f"config key 'fsdp_meta_init' = {value!r} must be auto, true or false (auto: ranks other "
-                     f"than 0 build the model on the meta device, and normally where its constructor needs real "
-                     f"values; true: always on meta; false: every rank builds the whole model)")
+    raise ConfigError(f"config key 'fsdp_meta_init' = {value!r} must be auto, true or false (auto: ranks other "
+                      f"than 0 build the model on the meta device, and normally where its constructor needs real "
+                      f"values; true: always on meta; false: every rank builds the whole model)")
 
 
 def check_config(cfg: Any, device: torch.device, amp: str) -> None:
@@ -62,21 +63,21 @@ def check_config(cfg: Any, device: torch.device, amp: str) -> None:
         return
     meta_init(cfg)
     if amp == "fp16":
-        raise ValueError("amp: fp16 needs a GradScaler, which FSDP2 does not support: use amp: bf16 with "
-                         "strategy: fsdp (or amp: fp16 with strategy: ddp)")
+        raise ConfigError("amp: fp16 needs a GradScaler, which FSDP2 does not support: use amp: bf16 with "
+                          "strategy: fsdp (or amp: fp16 with strategy: ddp)")
     if cfg.get("compile"):
-        raise ValueError("compile: true is not supported with strategy: fsdp here: set compile: false")
+        raise ConfigError("compile: true is not supported with strategy: fsdp here: set compile: false")
     if cfg.get("use_prune"):
-        raise ValueError("use_prune: true is not supported with strategy: fsdp (pruning needs the whole model on "
-                         "every rank): prune with strategy: ddp or in one process, then train the pruned model "
-                         "under fsdp")
+        raise ConfigError("use_prune: true is not supported with strategy: fsdp (pruning needs the whole model on "
+                          "every rank): prune with strategy: ddp or in one process, then train the pruned model "
+                          "under fsdp")
     if not comm.is_dist():
         several = len(cfg.get("gpu_id") or []) > 1 and not cfg.get("distributed")
-        raise ValueError("strategy: fsdp shards the model over the processes of a process group, and none is "
-                         "initialised" + (" (gpu_id with several GPUs and distributed: false is DataParallel, "
-                                          "which cannot shard)" if several else "")
-                         + ": start the script with distributed: true through launch(), torchrun or SLURM "
-                           "(one process is allowed), or use strategy: ddp")
+        raise ConfigError("strategy: fsdp shards the model over the processes of a process group, and none is "
+                          "initialised" + (" (gpu_id with several GPUs and distributed: false is DataParallel, "
+                                           "which cannot shard)" if several else "")
+                          + ": start the script with distributed: true through launch(), torchrun or SLURM "
+                            "(one process is allowed), or use strategy: ddp")
 
 
 def mesh_of(model: nn.Module) -> Any:

@@ -59,6 +59,41 @@ def test_a_torchrun_rank_other_than_0_leaves_the_message_to_rank_0(capsys, monke
         assert info.value.code == 2 and capsys.readouterr().err == said
 
 
+def test_an_srun_task_other_than_0_leaves_the_message_to_task_0(capsys, monkeypatch):
+    """Under srun every task printed the error (WORLD_SIZE and RANK are set by launch, later)."""
+    monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for task, said in (("1", ""), ("0", "error: x\n")):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        with pytest.raises(SystemExit) as info:
+            with errors.exit_on_usage_error():
+                raise errors.ConfigError("x")
+        assert info.value.code == 2 and capsys.readouterr().err == said
+
+
+def test_srun_with_several_tasks_needs_distributed_and_the_first_nodes_address(monkeypatch):
+    """Without --distributed task 0 trained alone and task 1 failed oddly; without MASTER_ADDR
+    (and no scontrol) a RuntimeError with a traceback (hostile pass)."""
+    from basetrainer.engine.launch import launch
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    ran = []
+    with pytest.raises(errors.ConfigError, match=r"^started by srun with SLURM_NTASKS=2 but distributed is off: "
+                                                 r"pass --distributed"):
+        launch(ran.append, distributed=False, args=(1,))
+    with pytest.raises(errors.ConfigError, match=r"^inside SLURM with several tasks, but the address of the first "
+                                                 r"node is unknown .*export MASTER_ADDR"):
+        launch(ran.append, num_gpus_per_machine=2, distributed=True, args=(1,))
+    assert ran == [] and "RANK" not in os.environ   # nothing ran, and the environment is as it was
+    monkeypatch.setenv("SLURM_NTASKS", "1")   # one task: a plain call
+    assert launch(ran.append, distributed=False, args=(1,)) is None and ran == [1]
+
+
 def test_the_library_raises_user_errors_of_the_right_kind(tmp_path):
     from basetrainer.models import build_models
     from basetrainer.utils import setup_config

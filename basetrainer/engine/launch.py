@@ -131,8 +131,17 @@ def _slurm_master_addr() -> str:
                 return out[0]
         except (OSError, subprocess.SubprocessError):
             pass
-    raise RuntimeError("inside SLURM with several tasks, but the address of the first node is unknown: "
-                       "export MASTER_ADDR (e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))")
+    raise ConfigError("inside SLURM with several tasks, but the address of the first node is unknown (no "
+                      "MASTER_ADDR, and scontrol did not name the nodes): export MASTER_ADDR (e.g. "
+                      "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))")
+
+
+def _slurm_tasks() -> int:
+    """The tasks of the srun step this process is one of (1 when not under srun with several)."""
+    try:
+        return int(os.environ.get("SLURM_NTASKS", "1")) if "SLURM_PROCID" in os.environ else 1
+    except ValueError:
+        return 1
 
 
 def _let_ddp_free_its_group() -> None:
@@ -310,7 +319,11 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
     if not distributed:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError(f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']} but distributed "
-                               f"is off: pass --distributed (or set distributed: true in the config)")
+                              f"is off: pass --distributed (or set distributed: true in the config)")
+        if _slurm_tasks() > 1:   # else each task would train alone, all in the same work_dir
+            raise ConfigError(f"started by srun with SLURM_NTASKS={os.environ['SLURM_NTASKS']} but distributed is "
+                              f"off: pass --distributed (or set distributed: true in the config), or start one "
+                              f"task (srun --ntasks 1)")
         return main_func(*args)
     timeout = _timeout(timeout, args)
     if not isinstance(num_gpus_per_machine, int) or num_gpus_per_machine < 1:
@@ -324,14 +337,15 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
         backend = _pick_backend(backend, int(env.get("LOCAL_WORLD_SIZE", num_gpus_per_machine)))
         return _run_in_group(main_func, args, backend, "env://", int(env["WORLD_SIZE"]), int(env["RANK"]),
                              local_rank, timeout)
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:  # srun, one task per device
+    if _slurm_tasks() > 1:  # srun, one task per device
         rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local_rank = int(env.get("SLURM_LOCALID", "0"))
         port = urlparse(dist_url).port if dist_url and dist_url != "auto" else None
         port = int(env.get("MASTER_PORT", port or 29500))
+        address = _slurm_master_addr()
         env.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank)})
         backend = _pick_backend(backend, int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
-        return _run_in_group(main_func, args, backend, f"tcp://{_slurm_master_addr()}:{port}", world_size,
+        return _run_in_group(main_func, args, backend, f"tcp://{address}:{port}", world_size,
                              rank, local_rank, timeout)
     try:
         pickle.dumps((main_func, args))

@@ -74,9 +74,14 @@ def show_traceback() -> bool:
 
 def _other_rank() -> bool:
     """A torchrun/SLURM process other than rank 0: its user error is rank 0's too (the checks
-    run alike on every rank, and those decided by rank 0 reach all of them), so rank 0 says it."""
+    run alike on every rank, and those decided by rank 0 reach all of them), so rank 0 says it.
+    An srun task is known by SLURM's variables before ``launch`` sets ``WORLD_SIZE`` and ``RANK``
+    from them (a config error raised before, or by, ``launch``)."""
+    env = os.environ
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0
+        if "WORLD_SIZE" in env:
+            return int(env["WORLD_SIZE"]) > 1 and int(env.get("RANK", "0")) != 0
+        return int(env.get("SLURM_NTASKS", "1")) > 1 and int(env.get("SLURM_PROCID", "0")) != 0
     except ValueError:
         return False
 

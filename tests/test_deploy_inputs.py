@@ -187,6 +187,27 @@ def test_command_line_bad_numbers_exit_2(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
+def test_an_out_dir_that_is_a_file_is_refused_before_anything(tmp_path, capsys):
+    """--out-dir of a regular file said 'error: [Errno 17] File exists: ...', naming neither the
+    flag nor the fix, after the model was loaded (hostile pass)."""
+    from basetrainer.models.build_models import get_models
+    from basetrainer.runtime.errors import FolderError
+
+    weights = str(tmp_path / "w.pth")
+    torch.save(get_models("resnet18", [SIZE, SIZE], 4).state_dict(), weights)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    for out in (str(a_file), str(a_file / "sub")):
+        code = cli([weights, "--net-type", "resnet18", "--input-size", str(SIZE), str(SIZE), "--out-dir", out,
+                    "--runs", "0"])
+        said = "is a file, not a folder" if out == str(a_file) else f"cannot be made: {a_file} is a file, not a folder"
+        assert (code, capsys.readouterr().err.strip().splitlines()[-1]) == (
+            2, f"error: out_dir={out!r} {said}; give out_dir a folder path")
+        with pytest.raises(FolderError, match=f"^out_dir={out!r} {said}"):   # a Python caller: the same error
+            export_model(str(tmp_path / "never-read.pth"), "onnx", out_dir=out)
+    assert a_file.read_text() == "not a folder"
+
+
 def test_a_scripted_model_takes_the_channels_of_its_first_convolution():
     """torch.jit.script modules take no hooks: the first convolution registered is the guess (as
     before), and a given value is taken (the forward pass checks it)."""

@@ -34,7 +34,7 @@ from basetrainer.deploy.parity import BOUNDS, Bound, ParityError, compare, failu
 from basetrainer.deploy.report import ExportReport, Row
 from basetrainer.deploy.runtimes import require
 from basetrainer.deploy.source import load_model
-from basetrainer.runtime import atomic
+from basetrainer.runtime import atomic, run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,13 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
 
     Raises:
         ValueError, FileNotFoundError, MissingRuntimeError: bad input, before any file is written.
+        FolderError: (an OSError) ``out_dir`` is a file, under one, or not writable.
         ParityError: a format disagrees with eager PyTorch beyond its bound (``.report`` attached).
         ExportFailed: a format could not be converted (``.report`` attached).
     """
     chosen = parse_formats(formats)
+    out_dir = out_dir or _default_out_dir(source)
+    run_folder.check_writable(out_dir, key="out_dir")   # before the model is loaded (seconds), not at the write
     check_installed(chosen, simplify)
     if any(f.name not in HARDWARE and "onnx" in f.modules for f in chosen) and pick_exporter(exporter, opset) == "dynamo":
         require("onnxscript")
@@ -118,7 +121,6 @@ def export_model(source: Union[str, nn.Module, Any], formats: Union[str, Sequenc
                                 len(images.classes) if images.labels is not None else None)
     names = [str(n) for n in output_names] if len(output_names) == len(reference) else None
     calib = _calibration(calibration, check, chosen, shape, calibration_images, mean, std)
-    out_dir = out_dir or _default_out_dir(source)
     stem = name or (os.path.splitext(os.path.basename(os.fspath(source)))[0]
                     if isinstance(source, (str, os.PathLike)) else (src.net_type or "model"))
     threads = threads or torch.get_num_threads()

@@ -105,6 +105,8 @@ def check_writable(folder: str, key: str = "work_dir", writes: bool = True) -> N
     probe = os.path.abspath(folder)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) and probe == os.path.abspath(folder):
+        raise FolderError(f"{key}={folder!r} is a file, not a folder; give {key} a folder path")
     if not os.path.isdir(probe):
         raise FolderError(f"{key}={folder!r} cannot be made: {probe} is a file, not a folder; "
                           f"give {key} a folder path")

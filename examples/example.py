@@ -244,5 +244,5 @@ if __name__ == "__main__":
     with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
         cfg = parse_config()
         print(f"basetrainer {basetrainer.__version__}", flush=True)
-        launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="tcp://127.0.0.1:28661",
+        launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="auto",   # a free port: runs side by side
                num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))

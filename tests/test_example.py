@@ -211,6 +211,22 @@ def test_every_key_of_the_config_table_is_a_flag_of_the_example():
         assert cfg[key] != setup_config.engine_defaults()[key] or key == "work_dir", key   # the flag did it
 
 
+def test_the_example_lets_launch_pick_a_free_port(monkeypatch, tmp_path):
+    """With dist_url tcp://127.0.0.1:28661 fixed, two DDP runs started at once on one machine
+    collided: the second's rank joined the first's store and the first, healthy run was killed
+    (hostile pass). regression.py and segmentation.py already said "auto"."""
+    import runpy
+
+    from basetrainer.engine import launch as launch_module
+
+    calls = []
+    monkeypatch.setattr(launch_module, "launch", lambda main, **kw: calls.append(kw))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.setattr(sys, "argv", [EXAMPLE, "--train_data", str(tmp_path), "--distributed", "--gpu_id", "0", "1"])
+    runpy.run_path(EXAMPLE, run_name="__main__")
+    assert [(c["dist_url"], c["num_machines"], c["num_gpus_per_machine"]) for c in calls] == [("auto", 1, 2)]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_resume_of_a_finished_run_says_so_and_prints_its_figure(runs):

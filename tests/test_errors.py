@@ -214,6 +214,8 @@ def commands(tmp_path_factory):
     (root / "a_file").write_text("not a folder")
     config = root / "bad.yaml"
     config.write_text("lr: fast\n")
+    (root / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")   # the text of /etc/passwd
+    srun = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
     data = ["--train_data", train]
     runs = {
         "work_dir": (data + ["--work_dir", str(used)] + COMMON, {}, ""),
@@ -225,6 +227,9 @@ def commands(tmp_path_factory):
         "yaml": (data + ["--work_dir", str(root / "w3"), "-c", str(config)] + COMMON, {}, ""),
         "extra": (data + ["--work_dir", str(root / "w4"), "--loggers", "mlflow"] + COMMON, {},
                   "sys.modules['mlflow'] = None"),
+        "checkpoint": (data + ["--work_dir", str(root / "w5"), "--finetune", str(root / "passwd")] + COMMON, {}, ""),
+        "srun_task0": (data + ["--work_dir", str(root / "w6")] + COMMON, srun, ""),
+        "srun_task1": (data + ["--work_dir", str(root / "w6")] + COMMON, dict(srun, SLURM_PROCID="1"), ""),
     }
     procs = {name: _start(args, str(root), env, prelude) for name, (args, env, prelude) in runs.items()}
     results = {}
@@ -312,3 +317,22 @@ def test_a_work_dir_under_a_file_is_one_line(commands):
     bad = os.path.join(str(root), "a_file", "w")
     assert line == (f"error: work_dir={bad!r} cannot be made: {os.path.join(str(root), 'a_file')} is a file, "
                     f"not a folder; give work_dir a folder path")
+
+
+@pytest.mark.distributed
+def test_a_file_that_is_no_checkpoint_is_one_line(commands):
+    root, results = commands
+    line = _one_error(results["checkpoint"])   # before: IndexError from torch's unpickler, a traceback, exit 1
+    passwd = os.path.join(str(root), "passwd")
+    assert line == (f"error: checkpoint file {passwd!r} is truncated or not a torch file (IndexError: list index out "
+                    f"of range); give a file written by torch.save (a checkpoint or a state_dict)")
+
+
+@pytest.mark.distributed
+def test_srun_tasks_without_distributed_are_refused_by_task_0_only(commands):
+    _, results = commands
+    assert _one_error(results["srun_task0"]) == (
+        "error: started by srun with SLURM_NTASKS=2 but distributed is off: pass --distributed (or set "
+        "distributed: true in the config), or start one task (srun --ntasks 1)")
+    code, _, err = results["srun_task1"]
+    assert code == 2 and "error:" not in err and "Traceback" not in err, err

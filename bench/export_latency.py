@@ -1,97 +1,115 @@
-"""CPU inference latency of the exported formats against eager PyTorch, in one run.
+"""README's latency table, made by the deploy command itself.
 
-Usage::
+Usage, from the root of a checkout, after the Quickstart's first command trained the example::
 
-    python bench/export_latency.py                                   # the digits example's run
-    python bench/export_latency.py --checkpoint work_space/digits/model/last.pth --check data/digits/val
-    python bench/export_latency.py --net-type mobilenet_v2 --input-size 224 224 --runs 30
+    python bench/export_latency.py            # run the command below, print its output and the machine
+    python bench/export_latency.py --write    # also put it into docs/deploy.md and README.md
+    python bench/export_latency.py --quote    # only rewrite README's table from docs/deploy.md
 
-Every format is exported and checked against eager PyTorch first (a format outside its bound is
-left out of the timing and marked), then eager PyTorch and the exports are timed interleaved:
-each round runs every contender once, with an untimed pause before each call; the figure is the
-median of ``--runs`` rounds after ``--warmup`` untimed ones, with the interquartile range. Eager
-PyTorch is the reference row (1.00x). All runtimes get the same number of threads.
-A CUDA ONNX Runtime row and a TensorRT row need an NVIDIA GPU; without one they are reported as
-not run.
+The one thing timed is README's deploy command with the timing flags below (``COMMAND``): every
+format is exported and checked against eager PyTorch, then eager PyTorch and the exports take
+turns, one call each per round, so load from other processes slows all of them alike. The
+command prints the latency table (per call at batch 1, per image at batch 32, the interquartile
+range, the ratio to eager, the threads); docs/deploy.md holds its whole output between
+``<!-- deploy-output: ... -->`` and ``<!-- /deploy-output -->``, under the date, commit, CPU and
+load average, and README's table between ``<!-- deploy-table: ... -->`` and
+``<!-- /deploy-table -->`` is that output's latency table, copied (tests/test_readme.py checks
+that they agree). CUDA ONNX Runtime and TensorRT need an NVIDIA GPU; without one they are not run.
 """
 import argparse
-import json
+import datetime
 import os
+import re
+import subprocess
 import sys
-from pathlib import Path
+from typing import List
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from basetrainer.deploy.export import export_model  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def table(report, batch: int) -> str:
-    keys = ["batch 1", f"batch {batch}"]
-    eager = next(r for r in report.rows if r.format == "pytorch")
-    lines = [f"| format | precision | batch 1 ms (IQR) | vs eager | batch {batch} ms (IQR) | per image ms | "
-             f"vs eager | max abs Δ | top-1 agree |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in report.rows:
-        if not row.latency:
-            lines.append(f"| {row.format} | {row.precision} | not timed: {row.status} | | | | | | |")
-            continue
-        cells = [row.format, row.precision]
-        for k in keys:
-            lat, ref = row.latency[k], eager.latency[k]
-            cells.append(f"{lat['median_ms']:.2f} ({lat['q1_ms']:.2f}-{lat['q3_ms']:.2f})")
-            if k != "batch 1":
-                cells.append(f"{lat['median_ms'] / lat['batch']:.3f}")
-            cells.append(f"{ref['median_ms'] / lat['median_ms']:.2f}x")
-        p = row.parity or {}
-        agreement = p.get("agreement")   # None: the model has no class-score output
-        cells += [f"{p.get('max_abs', 0):.2g}", "-" if agreement is None else f"{agreement:.2%}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = os.path.join(ROOT, ".venv", "bin", "python")
+PY = PY if os.path.exists(PY) else sys.executable
+# README's command (python -m basetrainer.deploy work_space/digits/model/last.pth --check
+# data/digits/val), every CPU format, one thread for every runtime, README's batch of 32
+COMMAND = ["-m", "basetrainer.deploy", "work_space/digits/model/last.pth",
+           "--format", "onnx,onnx-fp16,onnx-int8,mnn,ncnn,ncnn-fp16,openvino", "--check", "data/digits/val",
+           "--threads", "1", "--batch", "32", "--runs", "30", "--warmup", "5", "--out-dir", "output/export_latency"]
+OUTPUT = re.compile(r"(<!-- deploy-output: [^\n]*-->\n)(.*?)(<!-- /deploy-output -->)", re.S)
+TABLE = re.compile(r"(<!-- deploy-table: [^\n]*-->\n)(.*?)(<!-- /deploy-table -->)", re.S)
+LATENCY_TITLE = "Latency on the CPU"
 
 
-def main() -> int:
+def machine() -> str:
+    """CPU model and cores, torch, commit and date: what the figures were measured on."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    torch_version = subprocess.run([PY, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                                   text=True, timeout=120).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return f"{now} at {commit}, {cpu}, {os.cpu_count()} cores, no GPU, torch {torch_version}"
+
+
+def latency_table(output: str) -> str:
+    """The latency table of the deploy command's output: its title line, a blank line, the table."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(LATENCY_TITLE)), None)
+    if start is None:
+        raise SystemExit(f"the deploy command's output has no '{LATENCY_TITLE}' table: was --runs 0 given?")
+    end = start + 2
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[start:end]) + "\n"
+
+
+def readme_quote(deploy_md: str) -> str:
+    """README's section: where the table comes from, then the command's latency table."""
+    match = OUTPUT.search(deploy_md)
+    if not match:
+        raise SystemExit("docs/deploy.md has no '<!-- deploy-output: ... -->' section: python bench/export_latency.py --write")
+    header = re.search(r"^Measured (.*?):$", match.group(2), re.M)
+    return (f"The digits resnet18 at 32×32, timed by the command above with `--threads 1 --batch 32 --runs 30` "
+            f"({header.group(1) if header else 'see docs/deploy.md'}; [all of its output](docs/deploy.md#latency)):\n\n"
+            + latency_table(match.group(2)))
+
+
+def rewrite(path: str, pattern: "re.Pattern[str]", body: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not pattern.search(text):
+        raise SystemExit(f"{path} has no section for {pattern.pattern[:30]!r}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(pattern.sub(lambda m: m.group(1) + body + m.group(3), text, count=1))
+
+
+def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default=str(ROOT / "work_space" / "digits" / "model" / "last.pth"))
-    parser.add_argument("--net-type", help="time a freshly built model of this type instead of a checkpoint")
-    parser.add_argument("--input-size", nargs=2, type=int, default=None, metavar=("W", "H"))
-    parser.add_argument("--num-classes", type=int, default=10)
-    parser.add_argument("--check", default=str(ROOT / "data" / "digits" / "val"))
-    parser.add_argument("--format", default="onnx,onnx-fp16,onnx-int8,mnn,ncnn,ncnn-fp16,openvino")
-    parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out-dir", default=str(ROOT / "output" / "export_latency"))
-    args = parser.parse_args()
-    if args.runs < 20:
-        parser.error("--runs must be at least 20 (the median of fewer is not a figure to publish)")
-    check = args.check if os.path.isdir(args.check) else None
-    if args.net_type:
-        from basetrainer.models.build_models import get_models
-
-        size = args.input_size or [224, 224]
-        source = get_models(args.net_type, size, args.num_classes).eval()
-        name = args.net_type
-    else:
-        source, size, name = args.checkpoint, args.input_size, None
-        if not os.path.isfile(source):
-            parser.error(f"{source} does not exist: train the example first (python examples/example.py) "
-                         f"or pass --checkpoint / --net-type")
-    report = export_model(source, args.format, out_dir=args.out_dir, input_size=size, check=check,
-                          runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
-                          name=name, strict=False)
-    text = [f"{report.source}, input {tuple(report.input_shape)}, checked on {report.checked_on}; "
-            f"{args.threads} thread(s), torch {torch.__version__}", "", table(report, args.batch)]
-    if not torch.cuda.is_available():
-        text.append("CUDA ONNX Runtime and TensorRT: not run (no NVIDIA GPU on this machine).\n")
-    text += [f"Note: {n}" for n in report.notes]
-    sys.stdout.write("\n".join(text) + "\n")
-    out = Path(args.out_dir) / "export_latency.json"
-    out.write_text(json.dumps(report.as_dict(), indent=2, default=str) + "\n")
-    return 0 if report.ok else 1
+    parser.add_argument("--write", action="store_true", help="put the output into docs/deploy.md and README.md")
+    parser.add_argument("--quote", action="store_true", help="only rewrite README's table from docs/deploy.md")
+    args = parser.parse_args(argv)
+    deploy_md, readme = os.path.join(ROOT, "docs", "deploy.md"), os.path.join(ROOT, "README.md")
+    if not args.quote:
+        if not os.path.isfile(os.path.join(ROOT, COMMAND[2])):
+            parser.error(f"{COMMAND[2]} does not exist: train the example first (python examples/example.py)")
+        where, before = machine(), os.getloadavg()[0]
+        proc = subprocess.run([PY, *COMMAND], cwd=ROOT, capture_output=True, text=True)
+        after = os.getloadavg()[0]
+        sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
+        sys.stdout.write(proc.stdout)
+        if proc.returncode != 0:
+            return proc.returncode
+        body = (f"`python {' '.join(COMMAND)}`\n\nMeasured {where}, load average {before:.1f} → {after:.1f}:\n\n"
+                + proc.stdout + "\nCUDA ONNX Runtime and TensorRT: not run (no NVIDIA GPU on this machine).\n")
+        print(f"\n{where}, load average {before:.1f} -> {after:.1f}")
+        if not args.write:
+            return 0
+        rewrite(deploy_md, OUTPUT, body)
+    with open(deploy_md, encoding="utf-8") as f:
+        rewrite(readme, TABLE, readme_quote(f.read()))
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_deploy_example_with_pruning(tmp_path):
     assert "checked on 12 " in out                                # the validation images
     table = out[:out.index("The dense model")]
     assert "| onnx | ONNX Runtime | fp32 |" in table and "| ncnn | NCNN | fp32 |" in table and "**FAIL**" not in table
-    assert "batch 37 ms (IQR)" in table
+    assert "| format | precision | batch 1, ms (IQR) | vs eager | batch 37, ms per image (IQR) | vs eager |" in out
     summary = out[out.index("What pruning bought"):]
     rows = [line for line in summary.splitlines() if line.startswith("| pytorch") or line.startswith("| onnx")]
     assert len(rows) == 2

@@ -283,7 +283,8 @@ def test_latency_rows_interleaved_with_eager(tmp_path):
         assert row.latency["batch 4"]["runs"] == 3 and row.latency["batch 4"]["batch"] == 4
         assert row.latency["batch 1"]["q1_ms"] <= row.latency["batch 1"]["median_ms"] <= row.latency["batch 1"]["q3_ms"]
     table = (tmp_path / "m.export.md").read_text()
-    assert "| pytorch | PyTorch (eager) |" in table and "batch 4 ms (IQR)" in table
+    assert "| pytorch | PyTorch (eager) |" in table and "| batch 4, ms per image (IQR) | vs eager |" in table
+    assert "Latency on the CPU, 1 thread: median of 3 timed runs after 1 warm-up rounds" in table
 
 
 @pytest.mark.slow

@@ -328,3 +328,30 @@ def test_class_outputs_on_the_command_line(capsys):
         parse(["m.pth", "--class-outputs", "logits"])
     assert stop.value.code == 2
     assert "'logits': give output indices (e.g. 0 or 0,2) or none" in capsys.readouterr().err
+
+
+def test_the_latency_table_gives_ms_per_image_and_the_ratio_to_eager():
+    """The command's latency table (README's is a copy of it): per call at batch 1, per image at
+    batch N, the IQR beside the median, eager's median over the row's, threads in the title."""
+    from basetrainer.deploy.report import ExportReport, Row
+
+    def lat(median, q1, q3, batch):
+        return {"median_ms": median, "q1_ms": q1, "q3_ms": q3, "min_ms": q1, "max_ms": q3, "runs": 30, "batch": batch}
+
+    report = ExportReport("m", [1, 3, 32, 32], "random inputs", timing={"threads": 1, "runs": 30, "warmup": 5})
+    report.rows = [Row("pytorch", "PyTorch (eager)", "fp32", latency={"batch 1": lat(52.2, 45.5, 60.0, 1),
+                                                                      "batch 32": lat(302.8, 280.6, 357.1, 32)}),
+                   Row("onnx", "ONNX Runtime", "fp32", latency={"batch 1": lat(17.4, 13.9, 20.0, 1),
+                                                                "batch 32": lat(1058.7, 992.0, 1162.2, 32)}),
+                   Row("mnn", "MNN", "fp32", status="error", problems=["no runtime"])]
+    table = report.latency_markdown()
+    assert table.splitlines() == [
+        "Latency on the CPU, 1 thread: median of 30 timed runs after 5 warm-up rounds, interleaved with eager PyTorch",
+        "",
+        "| format | precision | batch 1, ms (IQR) | vs eager | batch 32, ms per image (IQR) | vs eager |",
+        "|---|---|---|---|---|---|",
+        "| pytorch | fp32 | 52.2 (45.5–60.0) | 1.00× | 9.46 (8.77–11.2) | 1.00× |",
+        "| onnx | fp32 | 17.4 (13.9–20.0) | 3.00× | 33.1 (31.0–36.3) | 0.29× |",
+        "| mnn | fp32 | not timed (error) | - | not timed (error) | - |"]
+    assert table in report.to_markdown()
+    assert ExportReport("m", [1], "x").latency_markdown() == ""       # runs=0: nothing timed, no table

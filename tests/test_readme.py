@@ -265,6 +265,29 @@ def test_imbalanced_table_is_the_measured_one():
         "README's imbalanced table differs from docs/figures.md: run python3 bench/readme_figures.py --quote")
 
 
+def test_deploy_table_is_the_deploy_commands_own():
+    """README's latency table is the deploy command's latency table, as bench/export_latency.py
+    recorded the command's whole output in docs/deploy.md (``--quote`` rewrites README from it):
+    ms per image at the batch sizes the command names, the threads, and the ratio to eager."""
+    spec = importlib.util.spec_from_file_location("export_latency", os.path.join(ROOT, "bench", "export_latency.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    deploy = _read("docs/deploy.md")
+    output = _marked(deploy, "deploy-output")
+    assert "`python " + " ".join(bench.COMMAND) + "`" in output, "docs/deploy.md's output is not of bench's command"
+    table = bench.latency_table(output)
+    assert table.startswith("Latency on the CPU, 1 thread: median of 30 timed runs after 5 warm-up rounds"), table
+    assert "| format | precision | batch 1, ms (IQR) | vs eager | batch 32, ms per image (IQR) | vs eager |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| pytorch", "| onnx", "| onnx-fp16", "| onnx-int8", "| mnn",
+                                                 "| ncnn", "| ncnn-fp16", "| openvino"], rows
+    assert rows[0].count("1.00×") == 2, rows[0]              # eager is the reference of its own ratio
+    quoted = _marked(_read("README.md"), "deploy-table")
+    assert quoted == bench.readme_quote(deploy), (
+        "README's latency table differs from docs/deploy.md: run python bench/export_latency.py --quote")
+    assert table in quoted
+
+
 def test_imbalanced_cells_are_means_with_their_range():
     """A cell of the table is the mean over the seeds and, where they differ, their min–max."""
     figures = _figures_script()

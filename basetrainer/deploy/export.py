@@ -286,9 +286,9 @@ def time_reports(reports: Sequence[ExportReport], batch: int = 37, runs: int = 2
     finally:
         torch.set_num_threads(before)
     for report in reports:
-        report.notes.append(f"latency: median of {runs} timed runs after {warmup} warm-up rounds, eager PyTorch and "
-                            f"the exports interleaved (50 ms untimed pause before each call: runtimes' threads spin "
-                            f"after a call), {threads} thread(s), CPU")
+        report.timing = {"threads": threads, "runs": runs, "warmup": warmup}
+        report.notes.append(f"latency: eager PyTorch and the exports take turns, one call each per round, with a "
+                            f"50 ms untimed pause before each call (runtimes' threads spin after a call)")
 
 
 def _eager_runner(model: nn.Module) -> Any:

@@ -33,6 +33,7 @@ class ExportReport:
     # not saved: the check images and, for timing, eager PyTorch and each passing export's engine
     inputs: Any = field(default=None, repr=False)
     runners: Dict[str, Any] = field(default_factory=dict, repr=False)
+    timing: Dict[str, Any] = field(default_factory=dict)   # threads, runs, warmup of the latency figures
 
     @property
     def ok(self) -> bool:
@@ -44,13 +45,12 @@ class ExportReport:
 
     def as_dict(self) -> Dict[str, Any]:
         return {"source": self.source, "input_shape": self.input_shape, "checked_on": self.checked_on, "ok": self.ok,
-                "rows": [row.__dict__ for row in self.rows], "notes": self.notes}
+                "rows": [row.__dict__ for row in self.rows], "notes": self.notes, "timing": self.timing}
 
     def to_markdown(self) -> str:
-        """The table. ``max Δ / scale`` is the largest difference relative to the output's scale (the
+        """The checks' table, then the latency table (:meth:`latency_markdown`). ``max Δ / scale`` is the largest difference relative to the output's scale (the
         bound's measure; with several outputs, the output furthest off is named). ``top-1 agree``
         and ``accuracy`` are columns only when the model has class-score outputs and labels."""
-        sizes = sorted({k for row in self.rows for k in row.latency})
         parities = [row.parity or {} for row in self.rows]
         several = any(len(p.get("outputs") or []) > 1 for p in parities)
         columns = [("max abs Δ", lambda p: _num(p.get("max_abs"))),
@@ -61,19 +61,51 @@ class ExportReport:
             columns.append(("accuracy", lambda p: _pct(p.get("accuracy"))))
         columns.append(("batch 1 vs N Δ", lambda p: _num(p.get("batch_max_abs"))))
         head = (["format", "runtime", "precision", "file", "size"] + [name for name, _ in columns]
-                + [f"{k} ms (IQR)" for k in sizes] + ["status"])
+                + ["status"])
         lines = [f"Export of {self.source}, input {tuple(self.input_shape)}, checked on {self.checked_on}", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row, p in zip(self.rows, parities):
             cells = [row.format, row.runtime, row.precision, ", ".join(os.path.basename(f) for f in row.files) or "-",
                      _size(row.size_bytes)] + [cell(p) for _, cell in columns]
-            cells += [_latency(row.latency.get(k)) for k in sizes]
             cells.append(row.status if row.status == "ok" else f"**{row.status}**: {'; '.join(row.problems)}")
             lines.append("| " + " | ".join(cells) + " |")
         bounds = sorted({(row.precision, row.bound) for row in self.rows if row.bound})
         if bounds:
             lines += ["", "Bounds: " + "; ".join(f"{prec}: {text}" for prec, text in bounds)]
-        lines += [f"Note: {note}" for note in self.notes]
+        timed = self.latency_markdown()
+        lines += ["", timed.rstrip("\n")] if timed else []
+        lines += ([""] + [f"Note: {note}" for note in self.notes]) if self.notes else []
+        return "\n".join(lines) + "\n"
+
+    def latency_markdown(self) -> str:
+        """Latency of eager PyTorch and each timed export, on one line each: the median ms per call
+        at batch 1 and per image at the larger batch, with the interquartile range, and how many
+        times faster than eager (eager's median over the row's; above 1 is faster). Titled with
+        the threads and runs; empty when nothing was timed."""
+        eager = next((row for row in self.rows if row.format == "pytorch"), None)
+        if eager is None or not eager.latency:
+            return ""
+        keys = sorted(eager.latency, key=lambda k: eager.latency[k]["batch"])
+        head = ["format", "precision"]
+        for k in keys:
+            n = eager.latency[k]["batch"]
+            head += [f"batch {n}, ms{' per image' if n > 1 else ''} (IQR)", "vs eager"]
+        t = self.timing
+        threads = t.get("threads", "?")
+        lines = [f"Latency on the CPU, {threads} thread{'' if threads == 1 else 's'}: median of {t.get('runs', '?')} timed runs "
+                 f"after {t.get('warmup', '?')} warm-up rounds, interleaved with eager PyTorch", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for row in self.rows:
+            cells = [row.format, row.precision]
+            for k in keys:
+                lat = row.latency.get(k)
+                if not lat:
+                    cells += [f"not timed ({row.status})", "-"]
+                    continue
+                n = max(1, lat["batch"])
+                cells += [f"{_ms(lat['median_ms'] / n)} ({_ms(lat['q1_ms'] / n)}–{_ms(lat['q3_ms'] / n)})",
+                          f"{eager.latency[k]['median_ms'] / lat['median_ms']:.2f}×"]
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
     def write(self, json_path: str, markdown_path: Optional[str] = None) -> List[str]:
@@ -102,7 +134,6 @@ def _size(n: Optional[int]) -> str:
     return "-" if n is None else atomic.human(n)
 
 
-def _latency(lat: Optional[Dict[str, Any]]) -> str:
-    if not lat:
-        return "-"
-    return f"{lat['median_ms']:.2f} ({lat['q1_ms']:.2f}-{lat['q3_ms']:.2f})"
+def _ms(value: float) -> str:
+    """Three significant digits without an exponent: 0.0826, 9.46, 52.2, 1059."""
+    return f"{value:.0f}" if value >= 100 else f"{value:#.3g}"

@@ -71,9 +71,9 @@ def readme_quote(deploy_md: str) -> str:
     if not match:
         raise SystemExit("docs/deploy.md has no '<!-- deploy-output: ... -->' section: python bench/export_latency.py --write")
     header = re.search(r"^Measured (.*?):$", match.group(2), re.M)
-    return (f"The digits resnet18 at 32×32, timed by the command above with `--threads 1 --batch 32 --runs 30` "
-            f"({header.group(1) if header else 'see docs/deploy.md'}; [all of its output](docs/deploy.md#latency)):\n\n"
-            + latency_table(match.group(2)))
+    return (f"The digits resnet18 at 32×32, timed by the command above with one thread, batch 32 and 30 runs "
+            f"(`python bench/export_latency.py`, {header.group(1) if header else 'see docs/deploy.md'}; "
+            f"[all of its output](docs/deploy.md#latency)):\n\n" + latency_table(match.group(2)))
 
 
 def rewrite(path: str, pattern: "re.Pattern[str]", body: str) -> None:

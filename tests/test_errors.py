@@ -82,7 +82,12 @@ def test_srun_with_several_tasks_needs_distributed_and_the_first_nodes_address(m
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.delenv("SLURM_STEPID", raising=False)
     ran = []
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)   # sbatch -n 2 running its script itself: one process
+    assert launch(ran.append, distributed=False, args=(1,)) is None and ran == [1]
+    monkeypatch.setenv("SLURM_STEP_ID", "0")             # a task of srun's step 0
+    ran.clear()
     with pytest.raises(errors.ConfigError, match=r"^started by srun with SLURM_NTASKS=2 but distributed is off: "
                                                  r"pass --distributed"):
         launch(ran.append, distributed=False, args=(1,))
@@ -215,7 +220,7 @@ def commands(tmp_path_factory):
     config = root / "bad.yaml"
     config.write_text("lr: fast\n")
     (root / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")   # the text of /etc/passwd
-    srun = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    srun = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}
     data = ["--train_data", train]
     runs = {
         "work_dir": (data + ["--work_dir", str(used)] + COMMON, {}, ""),

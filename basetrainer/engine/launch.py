@@ -144,6 +144,14 @@ def _slurm_tasks() -> int:
         return 1
 
 
+def _in_srun_step() -> bool:
+    """A task srun started: its step has a number in SLURM_STEP_ID. ``sbatch -n 2`` also runs its
+    script with SLURM_NTASKS=2 and SLURM_PROCID=0, once, outside any srun step: a one-process run
+    there is the user's choice, not a task left alone (not checked on a real cluster)."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID", ""))
+    return step.isdigit() and step != "4294967294"   # Slurm's number for the batch script's step
+
+
 def _let_ddp_free_its_group() -> None:
     """Import ``torch.distributed.nn`` before any DDP model is built.
 
@@ -320,7 +328,7 @@ def launch(main_func: Callable, num_gpus_per_machine: int = 1, dist_url: Optiona
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError(f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']} but distributed "
                               f"is off: pass --distributed (or set distributed: true in the config)")
-        if _slurm_tasks() > 1:   # else each task would train alone, all in the same work_dir
+        if _slurm_tasks() > 1 and _in_srun_step():   # else each task would train alone, all in one work_dir
             raise ConfigError(f"started by srun with SLURM_NTASKS={os.environ['SLURM_NTASKS']} but distributed is "
                               f"off: pass --distributed (or set distributed: true in the config), or start one "
                               f"task (srun --ntasks 1)")

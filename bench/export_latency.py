@@ -58,7 +58,9 @@ def latency_table(output: str) -> str:
     lines = output.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith(LATENCY_TITLE)), None)
     if start is None:
-        raise SystemExit(f"the deploy command's output has no '{LATENCY_TITLE}' table: was --runs 0 given?")
+        raise SystemExit(f"no '{LATENCY_TITLE}' table in the deploy command's output (docs/deploy.md's "
+                         f"deploy-output section is empty, or the command ran with --runs 0): "
+                         f"python bench/export_latency.py --write")
     end = start + 2
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
@@ -80,7 +82,9 @@ def rewrite(path: str, pattern: "re.Pattern[str]", body: str) -> None:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if not pattern.search(text):
-        raise SystemExit(f"{path} has no section for {pattern.pattern[:30]!r}")
+        name = pattern.pattern.split(": ", 1)[0].split("<!-- ", 1)[1]
+        raise SystemExit(f"{path} has no '<!-- {name}: ... -->' ... '<!-- /{name} -->' section: put both markers "
+                         f"back where the table goes")
     with open(path, "w", encoding="utf-8") as f:
         f.write(pattern.sub(lambda m: m.group(1) + body + m.group(3), text, count=1))
 

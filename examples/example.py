@@ -243,6 +243,7 @@ def parse_config(argv=None):
 if __name__ == "__main__":
     with errors.exit_on_usage_error():   # a user error: "error: <message>", exit status 2, no traceback
         cfg = parse_config()
-        print(f"basetrainer {basetrainer.__version__}", flush=True)
+        if not errors.other_rank():   # once per job, also under torchrun and srun
+            print(f"basetrainer {basetrainer.__version__}", flush=True)
         launch(main, num_gpus_per_machine=max(1, len(cfg.gpu_id)), dist_url="auto",   # a free port: runs side by side
                num_machines=1, machine_rank=0, distributed=cfg.distributed, args=(cfg,))

@@ -274,6 +274,31 @@ def test_a_file_that_is_no_checkpoint_is_one_user_error(tiny_pth, tmp_path):
         torch_tools.load_state_dict(other)
 
 
+def test_a_checkpoint_that_is_a_folder_or_no_torch_zip_says_so_in_plain_words(tiny_pth, tmp_path):
+    """A folder was reported as 'does not exist'; a zip that is not torch's pasted torch's own
+    'Could this error message be improved?' appeal; /etc/passwd said 'list index out of range'
+    (second hostile pass)."""
+    import zipfile
+
+    from basetrainer.runtime.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"is a folder, not a file: give the file inside it"):
+        torch_tools.load_state_dict(str(tmp_path))
+    other = tmp_path / "other.zip"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("a.txt", "not torch")
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    half = tmp_path / "half.pth"
+    half.write_bytes(open(tiny_pth[1], "rb").read()[:-100])
+    for path in (other, passwd, half):
+        message = str(pytest.raises(CheckpointError, torch_tools.load_state_dict, str(path)).value)
+        assert "Could this error" not in message and "miniz" not in message and "list index" not in message, message
+        assert message.endswith("give a file written by torch.save (a checkpoint or a state_dict)"), message
+    assert "(torch.load: IndexError)" in str(pytest.raises(CheckpointError, torch_tools.load_state_dict,
+                                                           str(passwd)).value)
+
+
 def test_good_file_round_trip_and_module_prefix(tiny_pth, tmp_path):
     model, path = tiny_pth
     state = torch_tools.load_state_dict(path)

@@ -94,7 +94,7 @@ def test_disk_full_leaves_nothing_at_the_final_path(tmp_path):
     proc = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=2m tmpfs {disk} && "
                            f"exec {PY} {script} {disk}/out"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ERROR ExportFailed export failed for onnx: error: DiskFullError: [Errno 28] no space left in" in proc.stdout
+    assert "ERROR ExportFailed export failed for onnx: not exported: DiskFullError: [Errno 28] no space left in" in proc.stdout
     assert "free space or pass another out_dir" in proc.stdout
     assert proc.stdout.strip().endswith("['m.onnx'] b'the older export'")     # no staging left, old file intact
 
@@ -233,7 +233,7 @@ def test_command_line_on_a_disk_too_small_prints_the_table_and_exits_1(tmp_path)
             or line.startswith("| ncnn |")]
     assert len(rows) == 3 and all(f"| **error**: DiskFullError: [Errno 28] no space left in {out}: writing the " in r
                                   for r in rows), proc.stdout
-    assert "error: export failed for onnx: error: DiskFullError" in proc.stderr
+    assert "error: export failed for onnx: not exported: DiskFullError" in proc.stderr
 
 
 @pytest.mark.slow

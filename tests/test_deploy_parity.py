@@ -355,3 +355,8 @@ def test_the_latency_table_gives_ms_per_image_and_the_ratio_to_eager():
         "| mnn | fp32 | not timed (error) | - | not timed (error) | - |"]
     assert table in report.to_markdown()
     assert ExportReport("m", [1], "x").latency_markdown() == ""       # runs=0: nothing timed, no table
+    one = ExportReport("m", [1], "x", timing={"threads": 2, "runs": 1, "warmup": 0},
+                       rows=[Row("pytorch", "PyTorch (eager)", "fp32", latency={"batch 1": {**lat(50.4, 50.4, 50.4, 1),
+                                                                                     "runs": 1}})])
+    assert one.latency_markdown().splitlines()[0].startswith("Latency on the CPU, 2 threads: median of 1 timed run after")
+    assert "| pytorch | fp32 | 50.4 | 1.00× |" in one.latency_markdown()      # one run: no range to give

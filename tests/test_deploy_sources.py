@@ -271,7 +271,7 @@ def test_command_line_table_json_and_exit_codes(run, tmp_path, capsys, monkeypat
     monkeypatch.setitem(parity.BOUNDS, "fp32", parity.Bound(rel=0.0, min_agreement=1.0))
     assert cli([run.last, "--format", "onnx", "--check", val, "--out-dir", str(tmp_path / "strict"), "--runs", "0"]) == 1
     captured = capsys.readouterr()
-    assert "**FAIL**: max |Δ| " in captured.out and "error: export failed for onnx: FAIL" in captured.err
+    assert "**FAIL**: max |Δ| " in captured.out and "error: export failed for onnx: outside its bound: max |Δ|" in captured.err
     assert sorted(os.listdir(tmp_path / "strict")) == ["last.export.json", "last.export.md"]
 
 

@@ -339,5 +339,6 @@ def test_srun_tasks_without_distributed_are_refused_by_task_0_only(commands):
     assert _one_error(results["srun_task0"]) == (
         "error: started by srun with SLURM_NTASKS=2 but distributed is off: pass --distributed (or set "
         "distributed: true in the config), or start one task (srun --ntasks 1)")
-    code, _, err = results["srun_task1"]
+    code, out, err = results["srun_task1"]
     assert code == 2 and "error:" not in err and "Traceback" not in err, err
+    assert "basetrainer " not in out and "basetrainer " in results["srun_task0"][1], out   # the banner: task 0's

@@ -299,7 +299,8 @@ def _eager_runner(model: nn.Module) -> Any:
 
 
 def _raise(report: ExportReport) -> None:
-    lines = [f"{row.format}: {row.status}: {'; '.join(row.problems)}" for row in report.failed]
+    lines = [f"{row.format}: {'outside its bound' if row.status == 'FAIL' else 'not exported'}: "
+             f"{'; '.join(row.problems)}" for row in report.failed]
     error = (ParityError if any(r.status == "FAIL" for r in report.failed) else ExportFailed)(
         "export failed for " + " | ".join(lines))
     error.report = report   # type: ignore[attr-defined]

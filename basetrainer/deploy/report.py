@@ -92,8 +92,10 @@ class ExportReport:
             head += [f"batch {n}, ms{' per image' if n > 1 else ''} (IQR)", "vs eager"]
         t = self.timing
         threads = t.get("threads", "?")
-        lines = [f"Latency on the CPU, {threads} thread{'' if threads == 1 else 's'}: median of {t.get('runs', '?')} timed runs "
-                 f"after {t.get('warmup', '?')} warm-up rounds, interleaved with eager PyTorch", "",
+        runs = t.get("runs", "?")
+        lines = [f"Latency on the CPU, {threads} thread{'' if threads == 1 else 's'}: median of {runs} timed "
+                 f"run{'' if runs == 1 else 's'} after {t.get('warmup', '?')} warm-up rounds, interleaved with eager "
+                 f"PyTorch", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in self.rows:
             cells = [row.format, row.precision]
@@ -103,7 +105,8 @@ class ExportReport:
                     cells += [f"not timed ({row.status})", "-"]
                     continue
                 n = max(1, lat["batch"])
-                cells += [f"{_ms(lat['median_ms'] / n)} ({_ms(lat['q1_ms'] / n)}–{_ms(lat['q3_ms'] / n)})",
+                spread = f" ({_ms(lat['q1_ms'] / n)}–{_ms(lat['q3_ms'] / n)})" if lat["runs"] > 1 else ""
+                cells += [f"{_ms(lat['median_ms'] / n)}{spread}",
                           f"{eager.latency[k]['median_ms'] / lat['median_ms']:.2f}×"]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"

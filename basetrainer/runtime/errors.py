@@ -72,7 +72,7 @@ def show_traceback() -> bool:
     return os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _other_rank() -> bool:
+def other_rank() -> bool:
     """A torchrun/SLURM process other than rank 0: its user error is rank 0's too (the checks
     run alike on every rank, and those decided by rank 0 reach all of them), so rank 0 says it.
     An srun task is known by SLURM's variables before ``launch`` sets ``WORLD_SIZE`` and ``RANK``
@@ -88,7 +88,7 @@ def _other_rank() -> bool:
 
 def report(error: BaseException, prog: str = "") -> None:
     """Write ``[prog: ]error: <message>`` on stderr (rank 0 only under torchrun)."""
-    if _other_rank():
+    if other_rank():
         return
     sys.stdout.flush()   # what the command printed before comes first
     sys.stderr.write(f"{prog + ': ' if prog else ''}error: {error}\n")

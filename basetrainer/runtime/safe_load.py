@@ -7,6 +7,7 @@ through it.
 """
 import os
 import pickle
+import re
 import zipfile
 from typing import Any, Dict, List
 
@@ -23,6 +24,9 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
         CheckpointError: (a ValueError) the file is truncated, damaged (a record differs from its
             stored CRC-32), not a torch file, or carries pickled code (refused).
     """
+    if path and os.path.isdir(path):
+        raise CheckpointError(f"checkpoint file {path!r} is a folder, not a file: give the file inside it "
+                              f"(e.g. {os.path.join(path, 'model', 'last.pth')!r} of a run's work_dir)")
     if not path or not os.path.isfile(path):
         raise PathError(f"checkpoint file {path!r} does not exist; check the path "
                         f"(finetune/resume/pretrained keys)")
@@ -61,7 +65,13 @@ def _not_a_torch_file(path: str, detail: str) -> CheckpointError:
 
 
 def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    """The error's kind and its first sentence, without torch's appeals to report it or miniz's
+    paragraph of advice (``Expected hasRecord("version") ...  (Could this error message be improved?``)."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = re.split(r"\s{2,}\(|\. (?=[A-Z])", text, maxsplit=1)[0].rstrip(". ")
+    if type(error) in (IndexError, KeyError) or not text:   # the legacy unpickler reading text: no news
+        return f"torch.load: {type(error).__name__}"
+    return f"{type(error).__name__}: {text[:120]}"
 
 
 def crc_errors(source: Any) -> List[str]:

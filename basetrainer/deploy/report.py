@@ -48,9 +48,10 @@ class ExportReport:
                 "rows": [row.__dict__ for row in self.rows], "notes": self.notes, "timing": self.timing}
 
     def to_markdown(self) -> str:
-        """The checks' table, then the latency table (:meth:`latency_markdown`). ``max Δ / scale`` is the largest difference relative to the output's scale (the
-        bound's measure; with several outputs, the output furthest off is named). ``top-1 agree``
-        and ``accuracy`` are columns only when the model has class-score outputs and labels."""
+        """The checks' table, then the latency table (:meth:`latency_markdown`). ``max Δ / scale``
+        is the largest difference relative to the output's scale (the bound's measure; with
+        several outputs, the output furthest off is named). ``top-1 agree`` and ``accuracy`` are
+        columns only when the model has class-score outputs and labels."""
         parities = [row.parity or {} for row in self.rows]
         several = any(len(p.get("outputs") or []) > 1 for p in parities)
         columns = [("max abs Δ", lambda p: _num(p.get("max_abs"))),

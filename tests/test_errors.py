@@ -329,8 +329,8 @@ def test_a_file_that_is_no_checkpoint_is_one_line(commands):
     root, results = commands
     line = _one_error(results["checkpoint"])   # before: IndexError from torch's unpickler, a traceback, exit 1
     passwd = os.path.join(str(root), "passwd")
-    assert line == (f"error: checkpoint file {passwd!r} is truncated or not a torch file (IndexError: list index out "
-                    f"of range); give a file written by torch.save (a checkpoint or a state_dict)")
+    assert line == (f"error: checkpoint file {passwd!r} is truncated or not a torch file (torch.load: IndexError); "
+                    f"give a file written by torch.save (a checkpoint or a state_dict)")
 
 
 @pytest.mark.distributed

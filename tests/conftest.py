@@ -150,6 +150,16 @@ def pytest_report_header(config: Any) -> str:
     return f"basetrainer {basetrainer.__version__} from {os.path.dirname(basetrainer.__file__)}"
 
 
+def pytest_xdist_auto_num_workers(config: Any) -> int:
+    """pyproject.toml's ``-n auto``: two pytest-xdist workers (measured on CI's two cores:
+    docs/development.md), none on one core, and none when the command names single tests
+    (``path::name``): pytest's own process runs them at once, and says "not found" for a
+    misspelt name (under xdist a run of a misspelt name ends with only "no tests ran")."""
+    if any("::" in str(arg) for arg in config.args):
+        return 0
+    return 2 if len(os.sched_getaffinity(0)) >= 2 else 0
+
+
 def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
     """CI (.ci/run) runs the slow and distributed tests of its FLOOR_FILES in the floor
     environment only, and names those files in ``BASETRAINER_FLOOR_RUNS`` for the run in the

@@ -185,3 +185,24 @@ def test_changelog_has_the_releases():
     assert headings[0] == "Unreleased"
     assert basetrainer.__version__ in headings
     assert "1.0" in text   # 2.0's changes are told against Pytorch-Base-Trainer 1.0.x
+
+
+@pytest.mark.distributed
+def test_the_tests_run_in_two_workers_and_a_named_test_in_pytests_process():
+    # pyproject's "-n auto" with conftest's pytest_xdist_auto_num_workers: a whole file in two
+    # workers; a test named path::name in pytest's own process, where a misspelt name is
+    # "not found" (under xdist it was only "no tests ran", exit 5)
+    def pytest_run(*args):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTEST_ADDOPTS": ""})
+        return done.returncode, done.stdout + done.stderr
+
+    rc, out = pytest_run("tests/test_release.py::test_requires_python_is_the_tested_interpreter")
+    assert rc == 0 and "1 passed" in out and "workers" not in out, out[-2000:]
+    rc, out = pytest_run("tests/test_release.py::test_misspelt_name")
+    assert rc == 4 and "ERROR: not found: " in out and "test_misspelt_name" in out, out[-2000:]
+    rc, out = pytest_run("tests/test_scheduler.py", "--pdb")   # xdist's "auto" gives --pdb no worker
+    assert rc == 0 and "workers" not in out and " passed" in out, out[-2000:]
+    rc, out = pytest_run("tests/test_scheduler.py")
+    workers = "created: 2/2 workers" if len(os.sched_getaffinity(0)) >= 2 else "collected"
+    assert rc == 0 and workers in out and " passed" in out, out[-2000:]

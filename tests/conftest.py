@@ -184,14 +184,12 @@ _FLOOR_ONLY: List[int] = []
 
 def pytest_terminal_summary(terminalreporter: Any, config: Any) -> None:
     """The line that says what CI left out here. Under pytest-xdist the workers collect and the
-    controller (which prints) holds no items: it says so without the count."""
-    if _FLOOR_ONLY:
-        terminalreporter.write_line(f"{_FLOOR_ONLY[0]} slow or distributed tests of BASETRAINER_FLOOR_RUNS's files "
-                                    "were left out here: CI runs them in its floor environment")
-    elif os.environ.get("BASETRAINER_FLOOR_RUNS", "").strip() and getattr(config.option, "numprocesses", None):
-        terminalreporter.write_line("the slow and distributed tests of BASETRAINER_FLOOR_RUNS's files were left out "
-                                    "here (each worker leaves them out of what it collects): CI runs them in its "
-                                    "floor environment")
+    controller (which prints) holds no items, so the line has no count there."""
+    if _FLOOR_ONLY or (os.environ.get("BASETRAINER_FLOOR_RUNS", "").strip()
+                       and getattr(config.option, "numprocesses", None)):
+        count = f"{_FLOOR_ONLY[0]}" if _FLOOR_ONLY else "the"
+        terminalreporter.write_line(f"{count} slow or distributed tests of BASETRAINER_FLOOR_RUNS's files were left "
+                                    "out here: CI runs them in its floor environment")
 
 
 def _preload_forkserver() -> None:

@@ -1,7 +1,8 @@
 """The loops ``bench_gpu.py`` times, each training the same model on the same batches (already on
 the device): a hand-written PyTorch loop, basetrainer, Lightning and Accelerate (the last two
 when importable; on the GPU machine they are). Each ``epoch()`` trains one pass over the batches
-and returns its seconds (the device synchronised at both ends) and the mean of its step losses.
+and returns its seconds (the device synchronised at both ends) and its first ``HEAD`` step
+losses, read after the clock stopped.
 
 Settings: SGD (lr 0.01, momentum 0.9), cross-entropy, AMP bf16, channels_last, cudnn.benchmark
 (set once for all). basetrainer: an ``EngineTrainer`` with no callbacks but the clock (progress
@@ -22,6 +23,13 @@ from basetrainer.engine.trainer import EngineTrainer
 from basetrainer.utils import setup_config
 
 LR, MOMENTUM = 0.01, 0.9
+# The step losses that show two loops doing the same work: from the same weights on the same
+# batches they agree to rounding. Later steps do not show it: this training is unstable (on the
+# H200, 2026-11-28, ResNet-9's loss went 5.6, 6.9, 15, 21, 31, 23 in the first six steps), so
+# rounding differences grow by about 3x a step; a loss computed outside autocast on float32
+# outputs (Accelerate's way) moved the warm-up epoch's mean loss by 0.8 % in one process and
+# 5.1 % in another, with the first three losses within 2e-4.
+HEAD = 3
 
 
 class DeviceBatches(Dataset):
@@ -55,8 +63,9 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def _mean(losses: List[torch.Tensor]) -> float:
-    return float(torch.stack(losses).float().mean())
+def _head(losses: List[torch.Tensor]) -> List[float]:
+    """The first ``HEAD`` step losses, as floats (one host sync, after the clock stopped)."""
+    return torch.stack(losses[:HEAD]).float().tolist()
 
 
 class Hand:
@@ -66,7 +75,7 @@ class Hand:
         self.model, self.data, self.device = model.to(device, memory_format=torch.channels_last), data, device
         self.opt = _optimizer(self.model)
 
-    def epoch(self) -> Tuple[float, float]:
+    def epoch(self) -> Tuple[float, List[float]]:
         losses = []
         t0 = sync(self.device)
         for x, y in self.data:
@@ -76,7 +85,7 @@ class Hand:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return sync(self.device) - t0, _mean(losses)
+        return sync(self.device) - t0, _head(losses)
 
 
 class _Clock(Callback):
@@ -116,14 +125,14 @@ class Ours:
                                   work_dir="", log_freq=50)
         self.trainer, self.done = _OursTrainer(cfg, model, data), 0
 
-    def epoch(self) -> Tuple[float, float]:
+    def epoch(self) -> Tuple[float, List[float]]:
         """One more epoch: ``run()`` goes on from the epochs the earlier calls trained."""
         t = self.trainer
         t.num_epochs, t.clock.seconds = self.done + 1, None
         t.run()
         self.done += 1
         assert t.clock.seconds is not None, f"run() trained no epoch (start {t.start_epoch}, num_epochs {t.num_epochs})"
-        return t.clock.seconds, _mean(t.clock.losses)
+        return t.clock.seconds, _head(t.clock.losses)
 
 
 class LightningLoop:
@@ -154,13 +163,13 @@ class LightningLoop:
 
         self.L, self.module, self.clock, self.data, self.device = L, Module(), Clock(), data, device
 
-    def epoch(self) -> Tuple[float, float]:
+    def epoch(self) -> Tuple[float, List[float]]:
         trainer = self.L.Trainer(accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=1,
                                  precision="bf16-mixed", max_epochs=1, logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[self.clock],
                                  num_sanity_val_steps=0)
         trainer.fit(self.module, self.data)
-        return self.clock.seconds, _mean(self.module.losses)
+        return self.clock.seconds, _head(self.module.losses)
 
 
 _ACCELERATOR: List[Any] = []   # Accelerate's state is one per process
@@ -179,7 +188,7 @@ class AccelerateLoop:
         self.model, self.opt = self.acc.prepare(model, _optimizer(model))
         self.data, self.device = data, device
 
-    def epoch(self) -> Tuple[float, float]:
+    def epoch(self) -> Tuple[float, List[float]]:
         losses = []
         t0 = sync(self.device)
         for x, y in self.data:
@@ -188,7 +197,7 @@ class AccelerateLoop:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return sync(self.device) - t0, _mean(losses)
+        return sync(self.device) - t0, _head(losses)
 
 
 PEERS: List[Tuple[str, Callable]] = [("lightning", LightningLoop), ("accelerate", AccelerateLoop)]

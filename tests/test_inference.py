@@ -123,7 +123,7 @@ def test_evaluate_writes_the_eval_report_of_an_eval_report_callback(tmp_path):
     report = EvalReport(out_dir=str(tmp_path / "eval"), topk=(1, 2))
     t = ToyTrainer(toy_cfg(n_test=N_TEST, num_epochs=5), callbacks=_recorders() + [report])   # epoch 0 of 5
     figures = t.evaluate()
-    on_disk = json.load(open(tmp_path / "eval" / "report.json"))
+    on_disk = json.load(open(tmp_path / "eval" / "evaluate" / "report.json"))   # beside the run's report
     assert on_disk["num_samples"] == N_TEST and on_disk["accuracy"] == pytest.approx(figures["test/Accuracy"], abs=1e-12)
     assert report.last_report["accuracy"] == on_disk["accuracy"] and not t.evaluating
 

@@ -14,7 +14,7 @@ _logger = logging.getLogger(__name__)
 
 EVENTS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_batch_prepare",
           "on_batch_begin", "on_batch_end", "on_train_summary", "on_test_begin", "on_test_summary",
-          "on_test_end")
+          "on_test_end", "on_predict_begin", "on_predict_end")
 
 
 class Callback:
@@ -169,6 +169,13 @@ class Callback:
 
     def on_test_end(self, logs: Optional[dict] = None) -> None:
         pass
+
+    def on_predict_begin(self, logs: Optional[dict] = None) -> None:
+        """``predict()`` begins (after ``checkpoint=`` is loaded): e.g. ModelEMA swaps in the
+        weights the test phase runs on, so predictions are of the weights evaluate() tests."""
+
+    def on_predict_end(self, logs: Optional[dict] = None) -> None:
+        """``predict()`` ends, also when it raises."""
 
 
 class CallbackList:

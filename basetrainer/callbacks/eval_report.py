@@ -164,13 +164,14 @@ class EvalReport(Callback):
         names = self._names(gathered["scores"].shape[1])
         result = self._report.write_report(gathered["scores"], gathered["labels"], out_dir, class_names=names,
                                            topk=self.topk, scores=self.scores,
-                                           title=f"Evaluation report, epoch {epoch + 1}", extra={"epoch": epoch})
+                                           title=self._title(epoch), extra={"epoch": epoch})
         if self._cam_inputs:
             result["files"]["gradcam"] = self._cam(out_dir, names)
         self.last_report = result
         _logger.info("EvalReport epoch %d: accuracy %.4f, balanced accuracy %.4f, %d samples -> %s", epoch + 1,
                      result["accuracy"], result["balanced_accuracy"], result["num_samples"], out_dir)
-        self._publish(result["files"], epoch, out_dir)
+        if not getattr(self.trainer, "evaluating", False):   # evaluate() writes no file of the run (its event files)
+            self._publish(result["files"], epoch, out_dir)
         return result
 
     def _check(self, mine: Optional[Dict[str, torch.Tensor]]) -> Optional[str]:
@@ -191,7 +192,15 @@ class EvalReport(Callback):
             cfg = getattr(self.trainer, "cfg", None)
             work_dir = cfg.get("work_dir") if hasattr(cfg, "get") else None
             base = os.path.join(work_dir or ".", "eval")
+        if getattr(self.trainer, "evaluating", False):   # evaluate(): a folder of its own, not the run's report
+            return os.path.join(base, "evaluate")
         return os.path.join(base, f"epoch_{epoch + 1:03d}") if self.every_epoch else base
+
+    def _title(self, epoch: int) -> str:
+        if getattr(self.trainer, "evaluating", False):
+            tested = getattr(self.trainer, "evaluating_checkpoint", None)
+            return "Evaluation report, evaluate() of " + (os.path.basename(tested) if tested else "the trainer's weights")
+        return f"Evaluation report, epoch {epoch + 1}"
 
     def _names(self, classes: int) -> Optional[List[str]]:
         for names in (self.class_names, _get(getattr(self.trainer, "cfg", None), "classes"),

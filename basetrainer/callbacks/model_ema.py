@@ -99,6 +99,12 @@ class ModelEMA(Callback):
             self._model().load_state_dict(self._backup)
             self._backup = None
 
+    def on_predict_begin(self, logs: Optional[dict] = None) -> None:
+        self.on_test_begin(logs)   # predict() runs on the weights evaluate() tests
+
+    def on_predict_end(self, logs: Optional[dict] = None) -> None:
+        self.on_test_end(logs)
+
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self.on_test_end(logs)  # never leave the averaged weights in the model by accident
 

@@ -17,9 +17,10 @@ resumable ``last.pth`` (its model weights), or ``"auto"``, the newest loadable c
 run's folder. Under ``strategy: fsdp`` every rank forwards as many times as the others (each
 forward gathers parameters from all of them).
 """
+import contextlib
 import logging
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from torch import nn
@@ -56,6 +57,7 @@ def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None,
     if engine.criterion is None and _default_run_step(engine):
         raise ValueError(f"{name}.evaluate(): the default run_step needs a criterion (the loss is a test "
                          f"figure): return one from build_criterion, or override run_step")
+    _warn_resume_unused(engine, "evaluate", checkpoint)
     loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
     logs: Dict[str, Any] = {}
     with engine.evaluation(loader, checkpoint=loaded), engine.stall_watchdog():   # a file's weights: no EMA swap
@@ -90,9 +92,10 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
                              f"name a {', '.join(writers.FORMATS)} file")
     loader, names, built = inference_data.predict_loader(engine, loader, transform, batch_size)
     _check_model(engine, "predict")
-    if checkpoint:
-        load_checkpoint(engine, checkpoint)
-    with engine.stall_watchdog():   # from the first collective: a rank that never comes is reported
+    _warn_resume_unused(engine, "predict", checkpoint)
+    loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
+    with engine.evaluation(engine.test_loader, checkpoint=loaded, what="predict()"), _predict_events(engine), \
+            engine.stall_watchdog():   # from the first collective: a rank that never comes is reported
         rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
         # a failure of one rank before the rounds (the file opened on the main process only, a rank's
         # workers not starting) is agreed in the first round, as a batch's: no other rank waits for it
@@ -157,6 +160,27 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
         return result[0]
     comm.synchronize()
     return os.path.abspath(output)
+
+
+@contextlib.contextmanager
+def _predict_events(engine: Any) -> Iterator[None]:
+    """``on_predict_begin`` and ``on_predict_end`` (also when predict raises) around the body:
+    ModelEMA swaps in the weights evaluate() tests, and back."""
+    engine.dispatch("on_predict_begin", {})
+    try:
+        yield
+    finally:
+        engine.dispatch("on_predict_end", {})
+
+
+def _warn_resume_unused(engine: Any, what: str, checkpoint: Optional[str]) -> None:
+    """A trainer made with ``resume`` that has not run: its model holds build_model's weights,
+    not the resumed ones (``resume`` applies to run()); say so once, with the fix."""
+    resume = engine.cfg.get("resume") if engine.cfg is not None else None
+    if resume and not checkpoint and not engine.runs_done and comm.is_main_process():
+        logger.warning("%s.%s(): resume=%r applies to run(), which has not run: the weights used are "
+                       "build_model's; pass checkpoint=%r to use the resumed ones", type(engine).__name__, what,
+                       resume, resume)
 
 
 def predict_step(engine: Any, batch: Any) -> Any:

@@ -26,6 +26,12 @@ def evaluate_loader(engine: Any, loader: Any, batch_size: Optional[int] = None) 
     elif not isinstance(loader, DataLoader):
         loader = _loader_of(engine, _as_dataset(loader, "evaluate(loader=...)"), batch_size, "evaluate")
     loaders.check_test_shards(loader, what)
+    batches = loader.batch_sampler
+    if type(batches) is BatchSampler and batches.drop_last and len(batches.sampler) % batches.batch_size:
+        left = len(batches.sampler) % batches.batch_size   # one process: the others are refused drop_last
+        raise ValueError(f"{what}: the loader drops its last incomplete batch (drop_last=True), so {left} of its "
+                         f"{len(batches.sampler)} samples would not count: build it with drop_last=False, or pass "
+                         f"the data set itself")
     return loader
 
 

@@ -291,11 +291,22 @@ class EngineTrainer(Engine):
 
     # ----------------------------------------------------------------------------- evaluate, predict
     @contextlib.contextmanager
-    def evaluation(self, loader: Any, checkpoint: Optional[str] = None) -> Iterator[None]:
-        """The ``with`` body evaluates: ``loader`` is the test loader, the callbacks are bound,
-        ``evaluating`` is True and ``evaluating_checkpoint`` names the file whose weights are
-        tested (ModelEMA swaps no average in over them). On leaving, also when the body raises,
-        these fields and the model's train/eval mode are as they were."""
+    def evaluation(self, loader: Any, checkpoint: Optional[str] = None, what: str = "evaluate()") -> Iterator[None]:
+        """The ``with`` body evaluates (or predicts): ``loader`` is the test loader, the callbacks
+        are bound, ``evaluating`` is True and ``evaluating_checkpoint`` names the file whose
+        weights are tested (ModelEMA swaps no average in over them). On leaving, also when the
+        body raises, these fields and the model's train/eval mode are as they were.
+
+        Raises:
+            RuntimeError: inside another evaluation, or inside the test phase of ``run()`` (from a
+                callback's ``on_test_*``): its callbacks' test figures, a report and a swapped-in
+                average would be the inner call's.
+        """
+        if self.evaluating or self.checkpointer.in_test_phase:
+            where = "evaluate() or predict()" if self.evaluating else "run()'s test phase (on_test_begin to on_test_end)"
+            raise RuntimeError(f"{type(self).__name__}.{what} was called inside {where}: its test events would overwrite "
+                             f"the outer test phase's figures and swap weights under it; call it from on_epoch_end, "
+                             f"or after run()")
         saved = (self.test_loader, self._callbacks, self.evaluating, self.evaluating_checkpoint, self.model.training)
         self.test_loader, self.evaluating, self.evaluating_checkpoint = loader, True, checkpoint
         self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)

@@ -303,10 +303,11 @@ SCRIPT = textwrap.dedent('''
     work, mode = sys.argv[1], sys.argv[2]
 
     class Kill(Callback):
-        """SIGKILL this process once (a marker file remembers): rank 1, epoch 1, after step 5."""
-        def on_batch_end(self, batch, logs=None):
+        """SIGKILL this process once (a marker file remembers): rank 1, epoch 1, after step 5 (and
+        its checkpoint, written after every on_batch_end: when step 6 is prepared)."""
+        def on_batch_prepare(self, epoch, batch, logs=None):
             marker = os.path.join(work, "killed")
-            if (mode == "elastic" and self.trainer.rank == 1 and self.trainer.epoch == 1 and batch + 1 == 5
+            if (mode == "elastic" and self.trainer.rank == 1 and self.trainer.epoch == 1 and batch == 5
                     and not os.path.exists(marker)):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)

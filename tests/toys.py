@@ -4,6 +4,7 @@ trainer, image folders on disk, the one weight comparison (:func:`weight_diff`) 
 ``tests/conftest.py`` re-exports every name here (tests import them from ``conftest``); the GPU
 check kit (``tools/gpukit``) imports them from here, because the GPU machine has no pytest."""
 import os
+import signal
 import socket
 from typing import Any, Dict, List, Optional, Union
 
@@ -124,8 +125,9 @@ class StopAt(Callback):
     """Ends a run on purpose at one place, like a crash or a signal from outside: the one helper
     the tests stop runs with.
 
-    Where, in epoch ``epoch``: after train step ``batch`` (0-based: after that step's
-    checkpoint); with ``batch=None``, when the epoch begins; ``event`` picks another place:
+    Where, in epoch ``epoch``: after train step ``batch`` (0-based: after every ``on_batch_end``
+    of it and the step's checkpoint, which the engine writes after them: at the next step's
+    ``on_batch_prepare``, or ``on_test_begin`` after the epoch's last); with ``batch=None``, when the epoch begins; ``event`` picks another place:
     ``"batch_begin"`` (before step ``batch``), ``"test_begin"``, ``"test"`` (its first test batch)
     or ``"epoch_end"``. How: ``how`` is an exception class, raised with "stopped on purpose", or a
     signal number this process sends itself (``signal.SIGKILL``: a crash nothing catches;
@@ -136,7 +138,7 @@ class StopAt(Callback):
         super().__init__()
         self.epoch, self.batch, self.how, self.rank = epoch, batch, how, rank
         self.event = event or ("batch_end" if batch is not None else "epoch_begin")
-        self.done = False
+        self.done, self.after_step = False, False
 
     def _stop(self, event: str, epoch: int, batch: Optional[int] = None) -> None:
         if self.done or event != self.event or epoch != self.epoch:
@@ -145,6 +147,18 @@ class StopAt(Callback):
             return
         if self.rank is not None and self.trainer.rank != self.rank:
             return
+        crash = not isinstance(self.how, int) or self.how == signal.SIGKILL   # SIGTERM only sets a flag: at once
+        if event == "batch_end" and crash:   # once the step is over: its checkpoint is written after every on_batch_end
+            self.after_step = True
+            return
+        self._fire()
+
+    def _step_over(self) -> None:
+        if self.after_step:
+            self.after_step = False
+            self._fire()
+
+    def _fire(self) -> None:
         self.done = True
         if isinstance(self.how, int):
             os.kill(os.getpid(), self.how)
@@ -154,6 +168,9 @@ class StopAt(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._stop("epoch_begin", epoch)
 
+    def on_batch_prepare(self, epoch, batch, logs=None):
+        self._step_over()
+
     def on_batch_begin(self, batch, logs=None):
         self._stop("batch_begin", self.trainer.epoch, batch)
 
@@ -161,6 +178,7 @@ class StopAt(Callback):
         self._stop("batch_end", self.trainer.epoch, batch)
 
     def on_test_begin(self, logs=None):
+        self._step_over()
         self._stop("test_begin", self.trainer.epoch)
 
     def on_test_summary(self, inputs, outputs, losses, epoch, batch, logs=None):

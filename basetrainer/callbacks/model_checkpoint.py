@@ -207,8 +207,8 @@ class ModelCheckpoint(Callback):
                                                background=self.async_save)
 
     def on_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        if self.save_freq_steps and (batch + 1) % self.save_freq_steps == 0:
-            self.trainer.save_checkpoint(background=self.async_save)
+        if self.save_freq_steps and (batch + 1) % self.save_freq_steps == 0:   # after every callback's on_batch_end
+            self.trainer.request_step_checkpoint(background=self.async_save)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         try:

@@ -12,6 +12,7 @@ resume each pass over once. Which checkpoint a run continues from is decided by
 :mod:`basetrainer.engine.resume` (a :class:`~basetrainer.engine.resume.Start`); how checkpoint
 files are written, found and loaded is :mod:`basetrainer.runtime.checkpoint`.
 """
+import contextlib
 import operator
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -42,6 +43,7 @@ POSITION = {"epoch": ("epoch", True), "phase": ("phase", True),   # phase: train
             "start_epoch": ("start_epoch", True),                  # where the next run() starts
             "run_id": ("run_id", True), "epoch_complete": ("epoch_complete", False),
             "checkpoint_folder": ("folder", False), "request_checkpoint": ("request", False),
+            "request_step_checkpoint": ("request_step", False),
             "state_dict": ("state_dict", False), "load_state_dict": ("load", False)}
 
 
@@ -64,6 +66,7 @@ class Checkpointer:
     def __init__(self, engine: Any, guard: NonFiniteGuard) -> None:
         self.engine, self.guard = engine, guard
         self.epoch, self.phase, self.batch_in_epoch, self.global_step = 0, "train", 0, 0
+        self.in_test_phase = False   # inside run()'s test phase (evaluate() and predict() are refused there)
         self.start_epoch, self.skip_batches, self.start_phase = 0, 0, "train"
         self.run_id: Optional[str] = None
         self.restored_logs: Dict[str, Any] = {}   # the loaded checkpoint's figures (the next run's logs)
@@ -107,6 +110,12 @@ class Checkpointer:
         """Ask for ``last.pth`` at the end of this epoch, after every ``on_epoch_end`` (every
         rank asks; ModelCheckpoint does)."""
         self.asked = background if self.asked is None else (self.asked and background)
+
+    def request_step(self, background: bool = True) -> None:
+        """Ask for ``last.pth`` after this train step, once every ``on_batch_end`` has run (the
+        callbacks after the asker have then counted this step too); inside an accumulation
+        window, at its end (every rank asks; ModelCheckpoint's ``save_freq_steps`` does)."""
+        self.deferred = background if self.deferred is None else (self.deferred and background)
 
     def save(self, path: Optional[str] = None, background: bool = False, in_window: bool = False) -> Optional[str]:
         """Write a resumable checkpoint of this point (every rank calls it: it gathers every
@@ -224,7 +233,9 @@ class Checkpointer:
 
     def start(self, plan: Any) -> None:
         """Start a run as :mod:`basetrainer.engine.resume` decided (its ``Start``): in its folder,
-        from its checkpoint (or, for ``run()`` again, from where the last run ended)."""
+        from its checkpoint (or, for ``run()`` again, from where the last run ended). Every
+        callback's ``state_key`` is read first: a clash or a failing key is found before training."""
+        CallbackStates(self.callbacks()).keyed()
         self._chosen = plan.folder
         if plan.again:
             self.start_after(self.epoch, self.phase, self.batch_in_epoch)
@@ -275,10 +286,16 @@ class Checkpointer:
             self._restore_rng()   # generators as at the stop, before the next batch is made
         return skip, batches
 
-    def enter_test(self) -> None:
-        """The test phase begins (the generators are put back if the run starts here)."""
+    @contextlib.contextmanager
+    def test_phase(self) -> Iterator[None]:
+        """The ``with`` body is the test phase (the generators are put back first if the run
+        starts here); :attr:`in_test_phase` is True in it, until it ends or raises."""
         self._restore_rng()
-        self.phase = "test"
+        self.phase, self.in_test_phase = "test", True
+        try:
+            yield
+        finally:
+            self.in_test_phase = False
 
     def end_epoch(self) -> None:
         """The epoch has ended (after every ``on_epoch_end``): write the checkpoint asked for."""

@@ -108,10 +108,10 @@ class Engine:
         check_ready(self)
         self.scaler = self.scaler or precision.make_scaler(self.amp)
         self._non_blocking = self.device.type == "cuda"
+        self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)   # bound: restore
         self.restore()
         self._buffer_sync = sharding.buffer_sync(self.model)
         self.logs = logs = {**self.checkpointer.restored_logs, **(logs or {})}
-        self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
         for loader in (self.train_loader, self.test_loader):
             preemption.shield_loader(loader)
         self.history, self.stop_training = History(), False
@@ -150,11 +150,11 @@ class Engine:
         self.dispatch("on_epoch_begin", epoch, logs)
         if self.train_loader is not None and train:
             self.run_train_epoch(epoch, logs)
-        ckpt.enter_test()
-        self.dispatch("on_test_begin", logs)
-        if self.test_loader is not None:
-            self.run_test_epoch(epoch, logs)
-        self.dispatch("on_test_end", logs)
+        with ckpt.test_phase():
+            self.dispatch("on_test_begin", logs)
+            if self.test_loader is not None:
+                self.run_test_epoch(epoch, logs)
+            self.dispatch("on_test_end", logs)
         self.dispatch("on_epoch_end", epoch, logs)
         self.history.append(epoch, logs)
         ckpt.end_epoch()   # and the checkpoint asked for: after every on_epoch_end, all states are final
@@ -186,7 +186,7 @@ class Engine:
             progress.count += 1   # the stall watchdog's stamp: an attribute write, no call
             if check := self.should_log(batch):
                 self._guard.check(epoch)
-            if self._updated and ckpt.deferred is not None:   # asked inside the window
+            if self._updated and ckpt.deferred is not None:   # asked this step, or inside the window
                 self.save_checkpoint(background=ckpt.deferred)
             if self._preemption.stop_agreed(check) and self._updated:   # a signal: stop at a window's end
                 self.preempt(f"epoch {epoch}, step {batch + 1}")

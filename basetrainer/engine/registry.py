@@ -149,9 +149,21 @@ class CallbackStates(Part):
         out: List[Tuple[str, Any]] = []
         seen: Dict[str, int] = {}
         for cb in self.callbacks:
-            key = str(cb.state_key)
+            try:
+                key = str(cb.state_key)
+            except Exception as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(f"raised reading callback {type(cb).__name__}.state_key (its state's name in the checkpoint)")
+                raise
             seen[key] = seen.get(key, 0) + 1
             out.append((key if seen[key] == 1 else f"{key}#{seen[key]}", cb))
+        taken: Dict[str, Any] = {}
+        for key, cb in out:   # a state_key of "A#2" beside two callbacks keyed "A": one state would be lost
+            if key in taken:
+                raise ValueError(f"callbacks {type(taken[key]).__name__} and {type(cb).__name__} both keep their state "
+                                 f"under {key!r} in the checkpoint (two callbacks keyed {key.split('#')[0]!r} take "
+                                 f"'#2', '#3', ... after it): give one of them another state_key")
+            taken[key] = cb
         return out
 
     def prepare(self) -> None:
@@ -179,10 +191,17 @@ class CallbackStates(Part):
             pairs = [(f"{i}:{type(cb).__name__}", cb) for i, cb in enumerate(self.callbacks)]
         else:
             pairs = self.keyed()
+        _warn_numbered(saved, pairs, source)
         fresh = []
         for key, cb in pairs:
             if key in saved:
-                cb.load_state_dict(saved.pop(key))
+                try:
+                    cb.load_state_dict(saved.pop(key))
+                except Exception as e:
+                    if hasattr(e, "add_note"):
+                        e.add_note(f"raised in callback {type(cb).__name__}.load_state_dict, restoring its state "
+                                   f"{key!r} from {source}")
+                    raise
             elif holds_state(cb.state_dict()):
                 fresh.append(key)
         # a removed callback that had no state lost nothing
@@ -193,6 +212,24 @@ class CallbackStates(Part):
         if fresh:
             logger.warning("%s: no saved state for callback(s) %s (added since?); they start fresh",
                            source, ", ".join(repr(k) for k in fresh))
+
+
+def _warn_numbered(saved: Dict[str, Any], pairs: List[Tuple[str, Any]], source: str) -> None:
+    """Name the callbacks whose states are keyed by their order among callbacks of one key
+    (``A``, ``A#2``, ...) when the checkpoint holds another number of them: each takes the state
+    of its place, which may be another callback's (the first of two removed: the second takes its)."""
+    def counts(keys: Any) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for key in keys:
+            base = key.split("#")[0]
+            out[base] = out.get(base, 0) + 1
+        return out
+
+    before, now = counts(saved), counts(key for key, _ in pairs)
+    for base in sorted(b for b in set(before) & set(now) if before[b] != now[b] and max(before[b], now[b]) > 1):
+        logger.warning("%s: %d callbacks kept state under %r (numbered by their order: %r, '%s#2', ...) and %d do "
+                       "now: each takes the state saved at its place, which may be another one's; give each a "
+                       "state_key of its own", source, before[base], base, base, base, now[base])
 
 
 class Registry:

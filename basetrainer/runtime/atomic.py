@@ -256,8 +256,9 @@ def set_aside(path: str, suffix: str) -> str:
 
 
 def snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` (dicts, lists, tuples of tensors and plain values) whose tensors no
-    longer share memory with the live model or optimizer, on the CPU."""
+    """A copy of ``obj`` (dicts, lists, tuples, sets of tensors and plain values) whose tensors
+    and containers no longer share memory with the live model, optimizer or callbacks, on the
+    CPU (a background write of a callback's live set read it while training changed it)."""
     if isinstance(obj, torch.Tensor):
         obj = obj.detach()
         return obj.clone() if obj.device.type == "cpu" else obj.to("cpu", copy=True)
@@ -265,6 +266,8 @@ def snapshot(obj: Any) -> Any:
         return type(obj)((k, snapshot(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(snapshot(v) for v in obj)
+    if isinstance(obj, (set, frozenset, bytearray)):
+        return type(obj)(obj)   # their items are immutable (hashable) or bytes
     return obj
 
 

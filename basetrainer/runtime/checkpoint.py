@@ -118,8 +118,8 @@ def unloadable(value: Any, where: str = "") -> Optional[str]:
     if kind in _LOADABLE_CONTAINERS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            if isinstance(value, dict) and type(key) not in _LOADABLE_LEAVES:
-                return f"{where} has a key of type {type(key).__module__}.{type(key).__qualname__}"
+            if isinstance(value, dict) and (type(key) not in _LOADABLE_LEAVES + (tuple,) or unloadable(key)):
+                return f"{where or 'the state'} has a key of type {type(key).__module__}.{type(key).__qualname__}"
             found = unloadable(item, f"{where}[{key!r}]" if not isinstance(value, set) else f"{where}{{...}}")
             if found:
                 return found

@@ -50,8 +50,8 @@ class Kill(Callback):
         super().__init__()
         self.at = (epoch, batch)
 
-    def on_batch_end(self, batch, logs=None):
-        if (self.trainer.epoch, batch) == self.at:
+    def on_batch_prepare(self, epoch, batch, logs=None):   # step `batch - 1` is over, its checkpoint written
+        if (epoch, batch - 1) == self.at:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

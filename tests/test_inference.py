@@ -474,6 +474,24 @@ def test_an_output_of_unknown_format_is_refused_before_any_forward(tmp_path):
         t.predict(root, output=str(tmp_path / "p.txt"), transform=flat16)
 
 
+class Score(RowTrainer):
+    """A binary score: the second column of the softmax (a [n] slice of stride 4)."""
+
+    def predict_step(self, batch):
+        return self.model(batch[0]).softmax(1)[:, 1]
+
+
+def test_a_score_column_with_a_batch_of_one_row_is_written_to_npy_and_npz(tmp_path):
+    """10 samples, batch 3: the last batch's score is a [1] tensor of stride 4 (hostile pass: the
+    .npy/.npz writers raised 'self.stride(-1) must be 1 to view Float as Byte')."""
+    t = Score(_cfg(batch_size=3), callbacks=_recorders())
+    data = blobs(10, 4, seed=1)
+    expected = t.predict(data)
+    assert expected.shape == (10,)
+    assert np.array_equal(np.load(t.predict(data, output=str(tmp_path / "p.npy"))), expected.numpy())
+    assert np.array_equal(np.load(t.predict(data, output=str(tmp_path / "p.npz")))["output"], expected.numpy())
+
+
 def test_loaders_that_lose_or_reorder_samples_are_refused(tmp_path):
     t = RowTrainer(_cfg(), callbacks=_recorders())
     data = blobs(N_TEST, 4, seed=1)

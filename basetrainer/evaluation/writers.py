@@ -194,10 +194,15 @@ def _close_quietly(f: Any) -> None:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor (no copy)."""
+    """The bytes of a CPU tensor, in row-major order (no copy when its elements are laid out one
+    after another). A tensor torch calls contiguous may still have a flat view of stride > 1 (a
+    [1] slice ``probs[:, 1]`` of a one-row batch has stride 2: one element, so contiguous), which
+    cannot be viewed as bytes: such a view is copied to a fresh stride-1 one."""
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.stride(0) != 1:
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
     return memoryview(flat.view(torch.uint8).numpy())
 
 

@@ -492,6 +492,36 @@ def test_a_score_column_with_a_batch_of_one_row_is_written_to_npy_and_npz(tmp_pa
     assert np.array_equal(np.load(t.predict(data, output=str(tmp_path / "p.npz")))["output"], expected.numpy())
 
 
+def test_outputs_that_are_not_one_row_per_sample_are_refused_naming_the_counts(tmp_path):
+    """A flattened output, a per-batch mean, a loader that does not batch (batch_size=None) and a
+    flattened output to a folder's csv were taken as rows (or failed with a bare IndexError)."""
+    class Step(RowTrainer):
+        step = None
+
+        def predict_step(self, batch):
+            x = batch[0]
+            return type(self).step(self.model(x) if x.dim() == 2 else self.model(x[None])[0])   # [4] unbatched
+
+    t = Step(_cfg(batch_size=4), callbacks=_recorders())
+    data = blobs(10, 4, seed=1)
+    Step.step = staticmethod(lambda out: out.reshape(-1))
+    with pytest.raises(ValueError, match=r"^predict\(\): predict_step returned 16 rows for a batch of 4 samples: "
+                                         r".*return one row per sample"):
+        t.predict(data)
+    Step.step = staticmethod(lambda out: out.mean(0, keepdim=True))
+    with pytest.raises(ValueError, match=r"returned 1 row for a batch of 4 samples"):
+        t.predict(data, output=str(tmp_path / "mean.npy"))
+    Step.step = staticmethod(lambda out: out)
+    with pytest.raises(ValueError, match=r"returned 4 rows for a batch of 1 sample: the loader has batch_size=None"):
+        t.predict(DataLoader(blobs(10, 4, seed=1), batch_size=None))
+    Step.step = staticmethod(lambda out: out.reshape(-1))
+    with pytest.raises(ValueError, match=r"returned 16 rows for a batch of 4 samples"):
+        t.predict(_images(tmp_path), output=str(tmp_path / "flat.csv"), transform=flat16)
+    assert sorted(os.listdir(tmp_path)) == ["images"]
+    Step.step = staticmethod(lambda out: {"a": out, "b": out[:, 0]})   # one row per sample: fine
+    assert t.predict(data)["b"].shape == (10,)
+
+
 def test_loaders_that_lose_or_reorder_samples_are_refused(tmp_path):
     t = RowTrainer(_cfg(), callbacks=_recorders())
     data = blobs(N_TEST, 4, seed=1)

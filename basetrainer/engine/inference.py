@@ -132,7 +132,8 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
                         try:
                             if batch is not None:
                                 outputs = _forward(engine, engine.to_device(batch))
-                                _check_outputs(outputs, collector)
+                                _check_outputs(outputs, collector, _samples(batch, loader),
+                                               unbatched=loader.batch_sampler is None)
                             elif fsdp:   # every rank forwards as often
                                 placeholder = placeholder or _placeholder(engine, loader)
                                 _forward(engine, placeholder)
@@ -197,9 +198,31 @@ def _forward(engine: Any, batch: Any) -> Any:
         return step(batch) if step is not None else predict_step(engine, batch)
 
 
-def _check_outputs(outputs: Any, collector: ordered.OrderedCollector) -> None:
-    """What the collector would refuse, refused before its collective (on this rank alone)."""
+def _samples(batch: Any, loader: DataLoader) -> Optional[int]:
+    """The number of samples in a batch the loader gave: 1 when it does not batch
+    (``batch_size=None``: each item is a sample), else the length of the inputs (the batch, or
+    the first entry of an ``(inputs, ...)`` tuple/list) when they are a tensor; None when it
+    cannot be told (a dict, a list of strings...)."""
+    if loader.batch_sampler is None:
+        return 1
+    inputs = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return len(inputs) if isinstance(inputs, torch.Tensor) and inputs.dim() else None
+
+
+def _check_outputs(outputs: Any, collector: ordered.OrderedCollector, samples: Optional[int] = None,
+                   unbatched: bool = False) -> None:
+    """What the collector would refuse, refused before its collective (on this rank alone); and
+    outputs that are not one row per sample of the batch (``samples``, when it can be told),
+    which the collector would take as rows and interleave wrongly over the ranks."""
     named, _ = ordered.flatten(outputs)
+    rows = len(next(iter(named.values())))
+    if samples is not None and rows != samples:
+        hint = "the loader has batch_size=None, so it gives the samples one by one, without a batch " \
+                    "dimension: give it a batch_size (or pass the data set); " if unbatched else ""
+        raise ValueError(f"predict(): predict_step returned {rows} row{'s' if rows != 1 else ''} for a batch of {samples} "
+                         f"sample{'s' if samples != 1 else ''}: {hint}the first dimension of every output "
+                         f"is its sample (not a flattened [n * C], a per-batch mean, nor a transposed [C, n]): "
+                         f"return one row per sample")
     if collector.sig is not None and ordered.signature(named) != collector.sig:
         raise ValueError(f"predict(): the outputs changed structure, dtype or row shape between batches: "
                          f"{ordered.signature(named)} after {collector.sig}")

@@ -522,6 +522,80 @@ def test_outputs_that_are_not_one_row_per_sample_are_refused_naming_the_counts(t
     assert t.predict(data)["b"].shape == (10,)
 
 
+def test_an_output_path_that_cannot_be_a_file_is_refused_before_any_forward(tmp_path):
+    """A folder named like a file failed only at the end, after every forward (IsADirectoryError
+    on the temp's rename); a path under a file was a raw FileExistsError."""
+    class Counting(RowTrainer):
+        forwards = 0
+
+        def predict_step(self, batch):
+            Counting.forwards += 1
+            return super().predict_step(batch)
+
+    t = Counting(_cfg(), callbacks=_recorders())
+    (tmp_path / "dir.npy").mkdir()
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"^output='.*dir\.npy': .*dir\.npy is a folder: name a file "
+                                         r"\(e\.g\. '.*dir\.npy/predictions\.npy'\)"):
+        t.predict(t.test_loader, output=str(tmp_path / "dir.npy"))
+    with pytest.raises(ValueError, match=r"^output='.*a_file/sub/p\.csv': .*a_file is a file, not a "
+                                         r"folder: write the output elsewhere"):
+        t.predict(t.test_loader, output=str(tmp_path / "a_file" / "sub" / "p.csv"))
+    assert Counting.forwards == 0 and sorted(os.listdir(tmp_path)) == ["a_file", "dir.npy"]
+    assert os.listdir(tmp_path / "dir.npy") == []
+
+
+class Checked(RowTrainer):
+    """Counts its forwards; ``mode`` picks what predict_step returns."""
+
+    mode, forwards = "scores", 0
+
+    def predict_step(self, batch):
+        Checked.forwards += 1
+        out = self.model(batch[0])
+        if Checked.mode == "flat":
+            return out.reshape(-1)
+        probs = out.softmax(1)
+        return {"score": probs[:, 1], "both": (probs[:, 0], probs[:, 3])}
+
+
+def _predict_checked(rank, work):
+    t = Checked(_cfg(distributed=True, gpu_id=[0, 1], batch_size=4), callbacks=_recorders())
+    data = blobs(9, 4, seed=1)   # 2 a batch a rank, shards of 5 and 4: rank 0 alone gives one row last
+    Checked.mode = "scores"
+    paths = [t.predict(data, output=os.path.join(work, "scores.npz"))]
+    errors = []
+    for mode, output in (("flat", None), ("scores", os.path.join(work, "dir.npy"))):
+        Checked.mode, Checked.forwards = mode, 0
+        try:
+            t.predict(data, output=output)
+            errors.append("no error")
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        errors.append(Checked.forwards)
+    return paths, errors
+
+
+@pytest.mark.distributed
+def test_under_2_ranks_strided_scores_are_written_and_bad_rows_or_paths_refused_on_every_rank(tmp_path):
+    """Hostile pass: dict/tuple score columns crashed the .npz writer under DDP; a flattened
+    output's rows were interleaved wrongly, silently; a folder as output= failed after every
+    forward. The path is checked before any rank's first forward."""
+    (tmp_path / "dir.npy").mkdir()
+    Checked.mode = "scores"
+    one = Checked(_cfg(batch_size=4), callbacks=_recorders()).predict(blobs(9, 4, seed=1))
+    (p0, e0), (p1, e1) = run_distributed(_predict_checked, 2, tmp_path, str(tmp_path), timeout=150)
+    assert p0 == p1 == [str(tmp_path / "scores.npz")]
+    with np.load(p0[0]) as z:
+        assert sorted(z.files) == ["both.0", "both.1", "score"]
+        assert np.array_equal(z["score"], one["score"].numpy()) and np.array_equal(z["both.1"], one["both"][1].numpy())
+    flat = "ValueError: predict(): predict_step returned 8 rows for a batch of 2 samples"
+    assert e0[0].startswith(flat) and e1[0].startswith(flat)   # each rank's own, before the gather
+    assert e0[2].startswith("ValueError: output=") and "dir.npy is a folder" in e0[2]
+    assert e1[2].startswith("RuntimeError: predict() failed on rank 0: ValueError: output=") and "is a folder" in e1[2]
+    assert e0[3] == e1[3] == 0   # no forward on any rank
+
+
 def test_loaders_that_lose_or_reorder_samples_are_refused(tmp_path):
     t = RowTrainer(_cfg(), callbacks=_recorders())
     data = blobs(N_TEST, 4, seed=1)

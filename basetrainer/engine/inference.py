@@ -94,14 +94,17 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
         load_checkpoint(engine, checkpoint)
     with engine.stall_watchdog():   # from the first collective: a rank that never comes is reported
         rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
-        # a failure of one rank before the rounds (the file opened on the main process only, a rank's
-        # workers not starting) is agreed in the first round, as a batch's: no other rank waits for it
+        # a failure of one rank before the rounds (a rank's workers not starting) is agreed in the first
+        # round, as a batch's: no other rank waits for it; the file, opened on the main process only,
+        # is agreed at once
         writer, error = None, None
         if output is not None and comm.is_main_process():
             try:
-                writer = writers.open_writer(output)
+                writer = writers.open_writer(output)   # checks the path: a folder, under a file, read-only
             except Exception as e:
                 error = e
+        if output is not None:   # before any rank's first forward: a bad path costs no forward
+            _agree(error)
         if writer is not None and names is not None:
             writer = _WithIds(writer, names)
         collector = ordered.OrderedCollector(dst=0 if output is not None else None, writer=writer)

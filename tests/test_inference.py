@@ -454,6 +454,31 @@ def test_a_checkpoint_that_does_not_exist_or_does_not_fit_is_a_clear_error(tmp_p
         t.evaluate(checkpoint="auto")   # no work_dir, no ModelCheckpoint
 
 
+def test_a_folder_given_as_checkpoint_suggests_a_file_that_is_in_it(tmp_path):
+    """checkpoint=<work_dir>/model suggested '<work_dir>/model/model/last.pth', which does not exist
+    (hostile pass)."""
+    import time
+
+    from basetrainer.runtime.errors import CheckpointError
+
+    t = ToyTrainer(toy_cfg(n_test=N_TEST), callbacks=_recorders())
+    model = tmp_path / "work" / "model"
+    model.mkdir(parents=True)
+    for name in ("model_001.pth", "best_model_002_0.5.pth", "last.pth"):
+        torch.save(t.unwrapped_model.state_dict(), model / name)
+        time.sleep(0.01)   # mtimes apart: the newest best is picked below
+    with pytest.raises(CheckpointError, match=rf"^checkpoint file '{model}' is a folder, not a file: give the file "
+                                              rf"inside it, e.g. '{model}/last\.pth'$"):
+        t.predict(t.test_loader, checkpoint=str(model))
+    with pytest.raises(CheckpointError, match=rf"e\.g\. '{model}/last\.pth'$"):   # a run's work_dir
+        t.evaluate(checkpoint=str(tmp_path / "work"))
+    (model / "last.pth").unlink()
+    with pytest.raises(CheckpointError, match=rf"e\.g\. '{model}/best_model_002_0\.5\.pth'$"):
+        t.evaluate(checkpoint=str(model))
+    with pytest.raises(CheckpointError, match=r"holds no \.pth file: give the path of a checkpoint file"):
+        t.evaluate(checkpoint=str(tmp_path / "work"))
+
+
 def test_an_output_of_unknown_format_is_refused_before_any_forward(tmp_path):
     class Counting(RowTrainer):
         forwards = 0

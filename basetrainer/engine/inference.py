@@ -222,8 +222,8 @@ def _check_outputs(outputs: Any, collector: ordered.OrderedCollector, samples: O
     if samples is not None and rows != samples:
         hint = "the loader has batch_size=None, so it gives the samples one by one, without a batch " \
                     "dimension: give it a batch_size (or pass the data set); " if unbatched else ""
-        raise ValueError(f"predict(): predict_step returned {rows} row{'s' if rows != 1 else ''} for a batch of {samples} "
-                         f"sample{'s' if samples != 1 else ''}: {hint}the first dimension of every output "
+        raise ValueError(f"predict(): predict_step returned {rows} row{'s' if rows != 1 else ''} for a batch of "
+                         f"{samples} sample{'s' if samples != 1 else ''}: {hint}the first dimension of every output "
                          f"is its sample (not a flattened [n * C], a per-batch mean, nor a transposed [C, n]): "
                          f"return one row per sample")
     if collector.sig is not None and ordered.signature(named) != collector.sig:

@@ -214,6 +214,27 @@ def test_a_single_tensor_and_a_tuple_round_trip_through_every_format(tmp_path, f
         assert rows[0][:3] == ["index", "id", "output.0_0"] and rows[8][1] == "img7.png"
 
 
+@pytest.mark.parametrize("fmt", ["npy", "npz"])
+def test_column_slices_and_one_row_chunks_of_any_strides_are_written_byte_for_byte(tmp_path, fmt):
+    """A binary classifier's ``softmax(1)[:, 1]``: a batch of one row is a [1] tensor of stride 2,
+    which ``.contiguous()`` leaves as it is (one element: contiguous) and which cannot be viewed
+    as bytes (hostile pass: 'self.stride(-1) must be 1 to view Float as Byte')."""
+    probs = torch.randn(10, 2).softmax(1)
+    x = torch.randn(7, 3, 2)
+    chunks = [probs[:3, 1], probs[3:9, 1], probs[9:, 1]]
+    assert chunks[-1].shape == (1,) and chunks[-1].stride() == (2,)
+    odd = [x[:2, :, 1], x[2:3, :1, 1], x[3:, ::2, 0][:, :1]]   # [n, k] slices, one of shape [1, 1]
+    for name, parts, whole in (("col", chunks, probs[:, 1]), ("odd", odd, None)):
+        path = str(tmp_path / f"{name}.{fmt}")
+        with writers.open_writer(path) as w:
+            for part in parts:
+                w.write(part if name == "col" else {"output": part[:, :1]})
+        got = np.load(path) if fmt == "npy" else np.load(path)["output"]
+        want = whole if whole is not None else torch.cat([p[:, :1] for p in parts])
+        assert np.array_equal(got, want.numpy()), name
+    assert _leftovers(tmp_path) == []
+
+
 def test_an_unknown_suffix_is_refused_naming_the_formats(tmp_path):
     with pytest.raises(ValueError, match=r"\.npy.*\.npz.*\.csv"):
         writers.open_writer(str(tmp_path / "out.json"))

@@ -107,6 +107,20 @@ def test_bad_input_is_a_clear_error(tmp_path):
         write_report(np.zeros((0, 4)), np.zeros(0, int), str(tmp_path))
 
 
+def test_the_report_reads_dict_outputs_by_the_recorders_rule():
+    """It took a dict as it was and refused it ([batch, classes] scores needed); the recorders'
+    rule now: a dict's "logits", else "out", else its only entry, else a ValueError naming the fix."""
+    report = EvalReport()
+    y, logits = torch.tensor([0, 1]), torch.randn(2, 3)
+    report.on_test_begin()
+    report.on_test_summary((torch.zeros(2, 4), y), {"emb": torch.randn(2, 3), "logits": logits}, None, 0, 0)
+    report.on_test_summary((torch.zeros(2, 4), y), (logits, torch.zeros(2)), None, 0, 1)
+    assert len(report._scores) == 2 and all(torch.equal(s, logits) for s in report._scores)
+    with pytest.raises(ValueError, match=r"^EvalReport: the model's outputs are a dict of \['a', 'b'\].*: give "
+                                         r"EvalReport\(outputs_fn=lambda outputs: outputs\[<key>\]\)$"):
+        report.on_test_summary((torch.zeros(2, 4), y), {"a": logits, "b": logits}, None, 0, 2)
+
+
 # ----------------------------------------------------------------------------- the callback
 class FakeTracker(Tracker):
     name = "fake"

@@ -454,6 +454,31 @@ def test_a_checkpoint_that_does_not_exist_or_does_not_fit_is_a_clear_error(tmp_p
         t.evaluate(checkpoint="auto")   # no work_dir, no ModelCheckpoint
 
 
+def test_a_folder_given_as_checkpoint_suggests_a_file_that_is_in_it(tmp_path):
+    """checkpoint=<work_dir>/model suggested '<work_dir>/model/model/last.pth', which does not exist
+    (hostile pass)."""
+    import time
+
+    from basetrainer.runtime.errors import CheckpointError
+
+    t = ToyTrainer(toy_cfg(n_test=N_TEST), callbacks=_recorders())
+    model = tmp_path / "work" / "model"
+    model.mkdir(parents=True)
+    for name in ("model_001.pth", "best_model_002_0.5.pth", "last.pth"):
+        torch.save(t.unwrapped_model.state_dict(), model / name)
+        time.sleep(0.01)   # mtimes apart: the newest best is picked below
+    with pytest.raises(CheckpointError, match=rf"^checkpoint file '{model}' is a folder, not a file: give the file "
+                                              rf"inside it, e.g. '{model}/last\.pth'$"):
+        t.predict(t.test_loader, checkpoint=str(model))
+    with pytest.raises(CheckpointError, match=rf"e\.g\. '{model}/last\.pth'$"):   # a run's work_dir
+        t.evaluate(checkpoint=str(tmp_path / "work"))
+    (model / "last.pth").unlink()
+    with pytest.raises(CheckpointError, match=rf"e\.g\. '{model}/best_model_002_0\.5\.pth'$"):
+        t.evaluate(checkpoint=str(model))
+    with pytest.raises(CheckpointError, match=r"holds no \.pth file: give the path of a checkpoint file"):
+        t.evaluate(checkpoint=str(tmp_path / "work"))
+
+
 def test_an_output_of_unknown_format_is_refused_before_any_forward(tmp_path):
     class Counting(RowTrainer):
         forwards = 0
@@ -472,6 +497,128 @@ def test_an_output_of_unknown_format_is_refused_before_any_forward(tmp_path):
     (tmp_path / "images" / "notes.txt").write_text("not an image")
     with pytest.raises(ValueError, match=r"output='.*p\.txt'"):
         t.predict(root, output=str(tmp_path / "p.txt"), transform=flat16)
+
+
+class Score(RowTrainer):
+    """A binary score: the second column of the softmax (a [n] slice of stride 4)."""
+
+    def predict_step(self, batch):
+        return self.model(batch[0]).softmax(1)[:, 1]
+
+
+def test_a_score_column_with_a_batch_of_one_row_is_written_to_npy_and_npz(tmp_path):
+    """10 samples, batch 3: the last batch's score is a [1] tensor of stride 4 (hostile pass: the
+    .npy/.npz writers raised 'self.stride(-1) must be 1 to view Float as Byte')."""
+    t = Score(_cfg(batch_size=3), callbacks=_recorders())
+    data = blobs(10, 4, seed=1)
+    expected = t.predict(data)
+    assert expected.shape == (10,)
+    assert np.array_equal(np.load(t.predict(data, output=str(tmp_path / "p.npy"))), expected.numpy())
+    assert np.array_equal(np.load(t.predict(data, output=str(tmp_path / "p.npz")))["output"], expected.numpy())
+
+
+def test_outputs_that_are_not_one_row_per_sample_are_refused_naming_the_counts(tmp_path):
+    """A flattened output, a per-batch mean, a loader that does not batch (batch_size=None) and a
+    flattened output to a folder's csv were taken as rows (or failed with a bare IndexError)."""
+    class Step(RowTrainer):
+        step = None
+
+        def predict_step(self, batch):
+            x = batch[0]
+            return type(self).step(self.model(x) if x.dim() == 2 else self.model(x[None])[0])   # [4] unbatched
+
+    t = Step(_cfg(batch_size=4), callbacks=_recorders())
+    data = blobs(10, 4, seed=1)
+    Step.step = staticmethod(lambda out: out.reshape(-1))
+    with pytest.raises(ValueError, match=r"^predict\(\): predict_step returned 16 rows for a batch of 4 samples: "
+                                         r".*return one row per sample"):
+        t.predict(data)
+    Step.step = staticmethod(lambda out: out.mean(0, keepdim=True))
+    with pytest.raises(ValueError, match=r"returned 1 row for a batch of 4 samples"):
+        t.predict(data, output=str(tmp_path / "mean.npy"))
+    Step.step = staticmethod(lambda out: out)
+    with pytest.raises(ValueError, match=r"returned 4 rows for a batch of 1 sample: the loader has batch_size=None"):
+        t.predict(DataLoader(blobs(10, 4, seed=1), batch_size=None))
+    Step.step = staticmethod(lambda out: out.reshape(-1))
+    with pytest.raises(ValueError, match=r"returned 16 rows for a batch of 4 samples"):
+        t.predict(_images(tmp_path), output=str(tmp_path / "flat.csv"), transform=flat16)
+    assert sorted(os.listdir(tmp_path)) == ["images"]
+    Step.step = staticmethod(lambda out: {"a": out, "b": out[:, 0]})   # one row per sample: fine
+    assert t.predict(data)["b"].shape == (10,)
+
+
+def test_an_output_path_that_cannot_be_a_file_is_refused_before_any_forward(tmp_path):
+    """A folder named like a file failed only at the end, after every forward (IsADirectoryError
+    on the temp's rename); a path under a file was a raw FileExistsError."""
+    class Counting(RowTrainer):
+        forwards = 0
+
+        def predict_step(self, batch):
+            Counting.forwards += 1
+            return super().predict_step(batch)
+
+    t = Counting(_cfg(), callbacks=_recorders())
+    (tmp_path / "dir.npy").mkdir()
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"^output='.*dir\.npy': .*dir\.npy is a folder: name a file "
+                                         r"\(e\.g\. '.*dir\.npy/predictions\.npy'\)"):
+        t.predict(t.test_loader, output=str(tmp_path / "dir.npy"))
+    with pytest.raises(ValueError, match=r"^output='.*a_file/sub/p\.csv': .*a_file is a file, not a "
+                                         r"folder: write the output elsewhere"):
+        t.predict(t.test_loader, output=str(tmp_path / "a_file" / "sub" / "p.csv"))
+    assert Counting.forwards == 0 and sorted(os.listdir(tmp_path)) == ["a_file", "dir.npy"]
+    assert os.listdir(tmp_path / "dir.npy") == []
+
+
+class Checked(RowTrainer):
+    """Counts its forwards; ``mode`` picks what predict_step returns."""
+
+    mode, forwards = "scores", 0
+
+    def predict_step(self, batch):
+        Checked.forwards += 1
+        out = self.model(batch[0])
+        if Checked.mode == "flat":
+            return out.reshape(-1)
+        probs = out.softmax(1)
+        return {"score": probs[:, 1], "both": (probs[:, 0], probs[:, 3])}
+
+
+def _predict_checked(rank, work):
+    t = Checked(_cfg(distributed=True, gpu_id=[0, 1], batch_size=4), callbacks=_recorders())
+    data = blobs(9, 4, seed=1)   # 2 a batch a rank, shards of 5 and 4: rank 0 alone gives one row last
+    Checked.mode = "scores"
+    paths = [t.predict(data, output=os.path.join(work, "scores.npz"))]
+    errors = []
+    for mode, output in (("flat", None), ("scores", os.path.join(work, "dir.npy"))):
+        Checked.mode, Checked.forwards = mode, 0
+        try:
+            t.predict(data, output=output)
+            errors.append("no error")
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        errors.append(Checked.forwards)
+    return paths, errors
+
+
+@pytest.mark.distributed
+def test_under_2_ranks_strided_scores_are_written_and_bad_rows_or_paths_refused_on_every_rank(tmp_path):
+    """Hostile pass: dict/tuple score columns crashed the .npz writer under DDP; a flattened
+    output's rows were interleaved wrongly, silently; a folder as output= failed after every
+    forward. The path is checked before any rank's first forward."""
+    (tmp_path / "dir.npy").mkdir()
+    Checked.mode = "scores"
+    one = Checked(_cfg(batch_size=4), callbacks=_recorders()).predict(blobs(9, 4, seed=1))
+    (p0, e0), (p1, e1) = run_distributed(_predict_checked, 2, tmp_path, str(tmp_path), timeout=150)
+    assert p0 == p1 == [str(tmp_path / "scores.npz")]
+    with np.load(p0[0]) as z:
+        assert sorted(z.files) == ["both.0", "both.1", "score"]
+        assert np.array_equal(z["score"], one["score"].numpy()) and np.array_equal(z["both.1"], one["both"][1].numpy())
+    flat = "ValueError: predict(): predict_step returned 8 rows for a batch of 2 samples"
+    assert e0[0].startswith(flat) and e1[0].startswith(flat)   # each rank's own, before the gather
+    assert e0[2].startswith("ValueError: output=") and "dir.npy is a folder" in e0[2]
+    assert e1[2].startswith("RuntimeError: predict() failed on rank 0: ValueError: output=") and "is a folder" in e1[2]
+    assert e0[3] == e1[3] == 0   # no forward on any rank
 
 
 def test_loaders_that_lose_or_reorder_samples_are_refused(tmp_path):

@@ -167,6 +167,34 @@ def test_dict_batches_with_target_key_and_segmentation_dict_outputs():
     assert logs["test/mIoU"] == pytest.approx(MulticlassJaccardIndex(3)(out["aux"], batch["mask"]).item(), rel=1e-6)
 
 
+def test_every_recorder_reads_the_same_entry_of_dict_outputs_and_refuses_an_ambiguous_dict():
+    """{"emb", "logits"} outputs: AccuracyRecorder read "logits", MetricRecorder and
+    FunctionRecorder the first value, "emb": 0.525 against 0.325 on the same run, silently
+    (hostile pass). One rule now: output_key; a dict's "logits", else "out", else its only entry."""
+    from basetrainer.metric.accuracy_recorder import AccuracyRecorder
+
+    y = torch.tensor([0, 1, 2, 0])
+    logits = torch.eye(3)[[0, 1, 2, 1]] * 5          # 3 of 4 right
+    emb = torch.eye(3)[[1, 2, 0, 1]] * 5             # none right
+    batches = [((torch.zeros(4, 2), y), {"emb": emb, "logits": logits})]
+
+    def recorders(**key):
+        return [AccuracyRecorder(indicator="acc", **key),
+                MetricRecorder(MulticlassAccuracy(3, average="micro"), "acc", **key),
+                FunctionRecorder(lambda o, t: (o.argmax(1) == t).float(), "acc", **key)]
+
+    assert [feed(r, "test", batches)["test/acc"] for r in recorders()] == pytest.approx([0.75] * 3)
+    assert [feed(r, "test", batches)["test/acc"] for r in recorders(output_key="emb")] == pytest.approx([0.0] * 3)
+    only = [((torch.zeros(4, 2), y), {"scores": logits})]
+    assert [feed(r, "test", only)["test/acc"] for r in recorders()] == pytest.approx([0.75] * 3)
+    ambiguous = [((torch.zeros(4, 2), y), {"emb": emb, "scores": logits})]
+    for r, name in zip(recorders(), ("AccuracyRecorder", "MetricRecorder", "FunctionRecorder")):
+        with pytest.raises(ValueError, match=rf"^{name} 'acc': the model's outputs are a dict of \['emb', 'scores'\], "
+                                             rf"with no 'logits' or 'out' entry to read by default: give output_key= "
+                                             rf"the key of the predictions \(e\.g\. output_key='emb'\)$"):
+            feed(r, "test", ambiguous)
+
+
 def test_bad_input_is_an_early_error_naming_the_argument_and_the_fix():
     with pytest.raises(TypeError, match="metric=.*torchmetrics Metric or MetricCollection.*FunctionRecorder"):
         MetricRecorder(lambda o, t: o, "x")

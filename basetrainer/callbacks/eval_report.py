@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from basetrainer.callbacks.callbacks import Callback, targets_of
+from basetrainer.callbacks.callbacks import Callback, pick_output, targets_of
 from basetrainer.runtime import comm
 
 _logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class EvalReport(Callback):
         topk: the k of the top-k accuracies.
         scores: ``"auto"``, ``"logits"`` or ``"probs"`` (see :func:`~basetrainer.evaluation.report.probabilities`).
         outputs_fn: maps a batch's model outputs to ``[batch, classes]`` scores (default: the
-            outputs, or their first entry when a tuple or list).
+            recorders' rule, :func:`~basetrainer.callbacks.callbacks.pick_output`: a tuple's
+            first entry; a dict's ``"logits"``, ``"out"`` or only entry).
         cam_images: test images in the Grad-CAM grid (0: none); ``cam_layer``/``cam_type``:
             see :class:`~basetrainer.utils.torchcam_utils.TorchCAM`.
         tensorboard, trackers: log the PNGs to TensorBoard / the files to the trackers.
@@ -108,9 +109,8 @@ class EvalReport(Callback):
 
     def on_test_summary(self, inputs: Any, outputs: Any, losses: Any, epoch: int, batch: int,
                         logs: Optional[dict] = None) -> None:
-        scores = self.outputs_fn(outputs) if self.outputs_fn is not None else outputs
-        if isinstance(scores, (tuple, list)) and self.outputs_fn is None:
-            scores = scores[0]
+        scores = self.outputs_fn(outputs) if self.outputs_fn is not None else \
+            pick_output(outputs, None, "EvalReport", "give EvalReport(outputs_fn=lambda outputs: outputs[<key>])")
         if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
             raise ValueError(f"EvalReport needs [batch, classes] scores; the model's outputs are "
                              f"{type(scores).__name__}{tuple(scores.shape) if isinstance(scores, torch.Tensor) else ''}: "

@@ -97,14 +97,17 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     with engine.evaluation(engine.test_loader, checkpoint=loaded, what="predict()"), _predict_events(engine), \
             engine.stall_watchdog():   # from the first collective: a rank that never comes is reported
         rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
-        # a failure of one rank before the rounds (the file opened on the main process only, a rank's
-        # workers not starting) is agreed in the first round, as a batch's: no other rank waits for it
+        # a failure of one rank before the rounds (a rank's workers not starting) is agreed in the first
+        # round, as a batch's: no other rank waits for it; the file, opened on the main process only,
+        # is agreed at once
         writer, error = None, None
         if output is not None and comm.is_main_process():
             try:
-                writer = writers.open_writer(output)
+                writer = writers.open_writer(output)   # checks the path: a folder, under a file, read-only
             except Exception as e:
                 error = e
+        if output is not None:   # before any rank's first forward: a bad path costs no forward
+            _agree(error)
         if writer is not None and names is not None:
             writer = _WithIds(writer, names)
         collector = ordered.OrderedCollector(dst=0 if output is not None else None, writer=writer)
@@ -135,7 +138,8 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
                         try:
                             if batch is not None:
                                 outputs = _forward(engine, engine.to_device(batch))
-                                _check_outputs(outputs, collector)
+                                _check_outputs(outputs, collector, _samples(batch, loader),
+                                               unbatched=loader.batch_sampler is None)
                             elif fsdp:   # every rank forwards as often
                                 placeholder = placeholder or _placeholder(engine, loader)
                                 _forward(engine, placeholder)
@@ -221,9 +225,31 @@ def _forward(engine: Any, batch: Any) -> Any:
         return step(batch) if step is not None else predict_step(engine, batch)
 
 
-def _check_outputs(outputs: Any, collector: ordered.OrderedCollector) -> None:
-    """What the collector would refuse, refused before its collective (on this rank alone)."""
+def _samples(batch: Any, loader: DataLoader) -> Optional[int]:
+    """The number of samples in a batch the loader gave: 1 when it does not batch
+    (``batch_size=None``: each item is a sample), else the length of the inputs (the batch, or
+    the first entry of an ``(inputs, ...)`` tuple/list) when they are a tensor; None when it
+    cannot be told (a dict, a list of strings...)."""
+    if loader.batch_sampler is None:
+        return 1
+    inputs = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return len(inputs) if isinstance(inputs, torch.Tensor) and inputs.dim() else None
+
+
+def _check_outputs(outputs: Any, collector: ordered.OrderedCollector, samples: Optional[int] = None,
+                   unbatched: bool = False) -> None:
+    """What the collector would refuse, refused before its collective (on this rank alone); and
+    outputs that are not one row per sample of the batch (``samples``, when it can be told),
+    which the collector would take as rows and interleave wrongly over the ranks."""
     named, _ = ordered.flatten(outputs)
+    rows = len(next(iter(named.values())))
+    if samples is not None and rows != samples:
+        hint = "the loader has batch_size=None, so it gives the samples one by one, without a batch " \
+                    "dimension: give it a batch_size (or pass the data set); " if unbatched else ""
+        raise ValueError(f"predict(): predict_step returned {rows} row{'s' if rows != 1 else ''} for a batch of "
+                         f"{samples} sample{'s' if samples != 1 else ''}: {hint}the first dimension of every output "
+                         f"is its sample (not a flattened [n * C], a per-batch mean, nor a transposed [C, n]): "
+                         f"return one row per sample")
     if collector.sig is not None and ordered.signature(named) != collector.sig:
         raise ValueError(f"predict(): the outputs changed structure, dtype or row shape between batches: "
                          f"{ordered.signature(named)} after {collector.sig}")

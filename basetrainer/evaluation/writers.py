@@ -49,6 +49,7 @@ class PredictionWriter:
     suffix = ""
 
     def __init__(self, path: str) -> None:
+        check_path(path)
         self.path = os.path.abspath(path)
         self.folder = os.path.dirname(self.path)
         os.makedirs(self.folder, exist_ok=True)
@@ -194,10 +195,15 @@ def _close_quietly(f: Any) -> None:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor (no copy)."""
+    """The bytes of a CPU tensor, in row-major order (no copy when its elements are laid out one
+    after another). A tensor torch calls contiguous may still have a flat view of stride > 1 (a
+    [1] slice ``probs[:, 1]`` of a one-row batch has stride 2: one element, so contiguous), which
+    cannot be viewed as bytes: such a view is copied to a fresh stride-1 one."""
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.stride(0) != 1:
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
     return memoryview(flat.view(torch.uint8).numpy())
 
 
@@ -375,6 +381,30 @@ class CsvWriter(PredictionWriter):
             _close_quietly(f)
 
 
+def check_path(path: str) -> None:
+    """Refuse, before anything runs, an output path that cannot become a file: a folder of that
+    name (found only when the finished file was put in place), a path under a file, a folder this
+    user cannot write into.
+
+    Raises:
+        ValueError: naming ``output=``, the path, what stops it and the fix.
+    """
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        suffix = os.path.splitext(target)[1]
+        raise ValueError(f"output={path!r}: {target} is a folder: name a file (e.g. "
+                         f"{os.path.join(target, 'predictions' + suffix)!r}), or remove or rename that folder")
+    probe = os.path.dirname(target)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"output={path!r}: {probe} is a file, not a folder: write the output elsewhere, or "
+                         f"remove or rename that file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"output={path!r}: {probe} is read-only for this user (or on a read-only disk): "
+                         f"write the output into a folder you can write")
+
+
 FORMATS = {".npy": NpyWriter, ".npz": NpzWriter, ".csv": CsvWriter}
 
 
@@ -382,7 +412,8 @@ def open_writer(path: str, format: Optional[str] = None) -> PredictionWriter:
     """A writer for ``path``, of the format its suffix names (or ``format``: npy, npz, csv).
 
     Raises:
-        ValueError: an unknown format (the valid ones are named).
+        ValueError: an unknown format (the valid ones are named), a path that cannot become a file
+            (:func:`check_path`).
     """
     key = ("." + format.lstrip(".").lower()) if format else os.path.splitext(str(path))[1].lower()
     if key == ".pt":

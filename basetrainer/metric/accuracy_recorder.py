@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from basetrainer.callbacks.callbacks import targets_of
+from basetrainer.callbacks.callbacks import pick_output, targets_of
 from basetrainer.callbacks.log_history import LogHistory
 from basetrainer.callbacks.recorder import Recorder, sum_over_ranks
 from basetrainer.runtime import atomic
@@ -114,13 +114,17 @@ class AccuracyRecorder(Recorder):
         logger: where the summary line goes (default: this module's logger).
         log_dir: the folder of ``confusion_matrix.txt``; default the trainer's LogHistory's
             ``log_dir`` (none: no file).
+        output_key: the key of the class scores in dict outputs; without it, a dict's
+            ``"logits"``, else ``"out"``, else its only entry (several others: a ValueError asking
+            for ``output_key``); a tuple's first element (the rule of every recorder:
+            :func:`~basetrainer.callbacks.callbacks.pick_output`).
     """
 
     state_name = "AccuracyRecorder"
 
     def __init__(self, target_names: Optional[Sequence[str]] = None, indicator: str = "Accuracy",
                  topk: Sequence[int] = (1,), logger: Optional[logging.Logger] = None,
-                 log_dir: Optional[str] = None) -> None:
+                 log_dir: Optional[str] = None, output_key: Optional[str] = None) -> None:
         if any((not isinstance(k, int)) or k < 1 for k in topk):
             raise ValueError(f"topk={tuple(topk)!r}: each k must be a positive integer")
         self.topk = tuple(sorted(set(topk) | {1}))
@@ -130,6 +134,7 @@ class AccuracyRecorder(Recorder):
         self.confusion_matrix: Optional[torch.Tensor] = None
         self.per_class: Dict[str, float] = {}
         self.log_dir = log_dir
+        self.output_key, self._label = output_key, f"AccuracyRecorder {indicator!r}"
         self._history: Optional[LogHistory] = None     # the LogHistory whose folder and TensorBoard writer are used
 
     # ---------------------------------------------------------------- what it counts
@@ -137,7 +142,7 @@ class AccuracyRecorder(Recorder):
         return ConfusionCounts(self.topk)
 
     def update(self, counts: ConfusionCounts, inputs: Any, outputs: Any, losses: Any) -> None:
-        counts.update(outputs if isinstance(outputs, torch.Tensor) else _logits(outputs), targets_of(inputs))
+        counts.update(pick_output(outputs, self.output_key, self._label), targets_of(inputs))
 
     def compute(self, counts: ConfusionCounts, reduce: bool) -> Dict[str, Any]:
         """Accuracy figures of ``counts`` (summed over ranks when ``reduce``), with the
@@ -249,12 +254,3 @@ class AccuracyRecorder(Recorder):
         for i, n in enumerate(names):
             lines.append(f"  {n:<{width}}" + " ".join(f"{int(v):>{width}}" for v in matrix[i].tolist()))
         return "\n".join(lines)
-
-
-def _logits(outputs: Any) -> torch.Tensor:
-    """The class scores of a model's outputs (the first tensor of a tuple/list)."""
-    if isinstance(outputs, (list, tuple)):
-        outputs = outputs[0]
-    if isinstance(outputs, dict):
-        outputs = outputs.get("logits", next(iter(outputs.values())))
-    return outputs

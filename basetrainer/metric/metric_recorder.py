@@ -73,8 +73,9 @@ class MetricRecorder(Recorder):
         phases: the phases recorded, ``"train"`` and/or ``"test"``.
         target_key: the key of the targets in dict batches (default: the batch's second part,
             or its ``targets``/``target``/``labels``/``label``).
-        output_key: the key of dict outputs (default ``"out"`` when present, else the first);
-            tuple or list outputs give their first element.
+        output_key: the key of dict outputs; without it, a dict's ``"logits"``, else ``"out"``,
+            else its only entry (several others: a ValueError asking for ``output_key``); tuple
+            or list outputs give their first element (docs/metrics.md, "What a recorder reads").
         transform: ``transform(outputs, targets)`` returns what the metric's update takes: a
             pair for a ``(preds, target)`` metric (e.g. ``lambda o, t: (o.argmax(1), t)``), one
             value for a one-input metric (``lambda o, t: (o - t).abs()``), a tuple of its
@@ -127,6 +128,7 @@ class MetricRecorder(Recorder):
         metric_states.check_reducible(metric)
         self._args = update_driver(metric_states.members(metric), f"MetricRecorder {indicator!r}", reads, transform)
         self.target_key, self.output_key, self.transform, self.reads = target_key, output_key, transform, reads
+        self._label = f"MetricRecorder {indicator!r}"
         self.per_class = per_class
         metric_states.local_only(metric)   # no collective inside compute()/forward()
         self.metrics = {"train": metric}
@@ -162,7 +164,8 @@ class MetricRecorder(Recorder):
         return metric if phase == "train" else metric.clone()
 
     def update(self, counts: Any, inputs: Any, outputs: Any, losses: Any) -> None:
-        preds, targets = pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key)
+        preds = pick_output(outputs, self.output_key, self._label)
+        targets = pick_targets(inputs, self.target_key)
         if isinstance(preds, torch.Tensor):
             preds = preds.detach()
         args = self._args(preds, targets)
@@ -251,6 +254,7 @@ class FunctionRecorder(LossesRecorder):
         self.fn = fn
         self.phases = check_phases(phases)
         self.target_key, self.output_key = target_key, output_key
+        self._label = f"FunctionRecorder {indicator!r}"
         self.higher_is_better = higher_is_better
 
     def mode_of(self, key: str) -> Optional[str]:
@@ -261,7 +265,8 @@ class FunctionRecorder(LossesRecorder):
         return "max" if self.higher_is_better else "min"
 
     def update(self, counts: Any, inputs: Any, outputs: Any, losses: Any) -> None:
-        value = self.fn(pick_output(outputs, self.output_key), pick_targets(inputs, self.target_key))
+        value = self.fn(pick_output(outputs, self.output_key, self._label),
+                        pick_targets(inputs, self.target_key))
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"FunctionRecorder {self.indicator!r}: fn returned a {type(value).__name__}; it must "
                             f"return a tensor (a batch mean, or one value per sample) on the device")

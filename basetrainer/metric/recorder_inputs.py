@@ -1,30 +1,12 @@
-"""What a recorder reads from a step: the model's outputs (a dict's ``output_key``, a tuple's
-first element) and the batch's targets (a dict's ``target_key``), and what a metric's
-``update`` is given of them: what the user chose (``reads``, ``transform``), by default
-``(outputs, targets)``, never guessed from the update's parameters."""
+"""What a recorder reads from a step: the model's outputs (:func:`pick_output`: a dict's
+``output_key``, ``"logits"``, ``"out"`` or only entry; a tuple's first element) and the batch's
+targets (a dict's ``target_key``), and what a metric's ``update`` is given of them: what the
+user chose (``reads``, ``transform``), by default ``(outputs, targets)``, never guessed from the
+update's parameters."""
 import inspect
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from basetrainer.callbacks.callbacks import targets_of
-
-
-def pick_output(outputs: Any, output_key: Optional[str]) -> Any:
-    """The tensor a metric reads from a model's outputs: ``outputs[output_key]`` of a dict
-    (default ``"out"`` when present, as torchvision's segmentation models return, else the first
-    value); the first element of a tuple or list; a tensor as it is."""
-    if isinstance(outputs, dict):
-        if output_key is not None:
-            if output_key not in outputs:
-                raise KeyError(f"output_key={output_key!r} is not in the model's outputs (keys: {sorted(outputs)}); "
-                               f"set output_key to one of them")
-            return outputs[output_key]
-        return outputs["out"] if "out" in outputs else next(iter(outputs.values()))
-    if output_key is not None:
-        raise TypeError(f"output_key={output_key!r} needs dict outputs, but the model returned a "
-                        f"{type(outputs).__name__}; leave output_key out")
-    if isinstance(outputs, (list, tuple)):
-        return outputs[0]
-    return outputs
+from basetrainer.callbacks.callbacks import pick_output, targets_of   # pick_output: the one rule, re-exported
 
 
 def pick_targets(inputs: Any, target_key: Optional[str]) -> Any:

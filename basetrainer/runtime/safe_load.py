@@ -25,8 +25,7 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
             stored CRC-32), not a torch file, or carries pickled code (refused).
     """
     if path and os.path.isdir(path):
-        raise CheckpointError(f"checkpoint file {path!r} is a folder, not a file: give the file inside it "
-                              f"(e.g. {os.path.join(path, 'model', 'last.pth')!r} of a run's work_dir)")
+        raise CheckpointError(f"checkpoint file {path!r} is a folder, not a file: {_file_in(path)}")
     if not path or not os.path.isfile(path):
         raise PathError(f"checkpoint file {path!r} does not exist; check the path "
                         f"(finetune/resume/pretrained keys)")
@@ -57,6 +56,26 @@ def load_file(path: str, map_location: Any = "cpu") -> Any:
         # torch's legacy (pre-zip) reader unpickles any other file: text fails it with IndexError,
         # KeyError, ... (/etc/passwd: "IndexError: list index out of range", with a traceback)
         raise _not_a_torch_file(path, _first_line(e)) from None
+
+
+def _file_in(folder: str) -> str:
+    """The fix for a folder given as a checkpoint: a checkpoint file that is there (its
+    ``last.pth``, else its newest best, per-epoch or other ``.pth``; a run's work_dir: its
+    ``model/last.pth``), never a path that does not exist."""
+    for candidate in (os.path.join(folder, "last.pth"), os.path.join(folder, "model", "last.pth")):
+        if os.path.isfile(candidate):
+            return f"give the file inside it, e.g. {candidate!r}"
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".pth") and os.path.isfile(os.path.join(folder, n))]
+    except OSError:
+        names = []
+    for prefix in ("best_model_", "model_", ""):
+        found = sorted((n for n in names if n.startswith(prefix)),
+                       key=lambda n: os.path.getmtime(os.path.join(folder, n)))
+        if found:
+            return f"give the file inside it, e.g. {os.path.join(folder, found[-1])!r}"
+    return ("it holds no .pth file: give the path of a checkpoint file (a run's <work_dir>/model/last.pth, "
+            "or a best_model_*.pth / model_*.pth weights file)")
 
 
 def _not_a_torch_file(path: str, detail: str) -> CheckpointError:

@@ -140,3 +140,75 @@ def test_evaluate_refuses_a_loader_that_drops_samples(tmp_path):
                                          r"samples would not count"):
         trainer.evaluate(DataLoader(_data(10, 2), batch_size=3, drop_last=True))
     assert trainer.evaluate(DataLoader(_data(10, 2), batch_size=5, drop_last=True))["test/Accuracy"] >= 0   # none dropped
+
+
+class _EvaluateFile(Callback):
+    """At each epoch end, evaluate() or predict() another set with a file's weights."""
+
+    def __init__(self, what, path):
+        self.what, self.path = what, path
+
+    def on_epoch_end(self, epoch, logs=None):
+        call = self.trainer.evaluate if self.what == "evaluate" else self.trainer.predict
+        call(_data(5, 3), checkpoint=self.path)
+
+
+@pytest.mark.parametrize("what", ["evaluate", "predict"])
+def test_a_checkpoint_evaluated_from_on_epoch_end_does_not_replace_the_weights_being_trained(tmp_path, what):
+    reference = _Trainer(_cfg(tmp_path / "a"), lambda t: [])
+    expected = [{k: v for k, v in e.items() if k.startswith(("train/", "test/"))} for e in reference.run().epochs]
+    other = str(tmp_path / "other.pth")
+    torch.manual_seed(5)
+    torch.save(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).state_dict(), other)
+    trainer = _Trainer(_cfg(tmp_path / "b"), lambda t: [_EvaluateFile(what, other)])
+    got = [{k: v for k, v in e.items() if k.startswith(("train/", "test/"))} for e in trainer.run().epochs]
+    assert got == expected
+    assert all(torch.equal(a, b) for a, b in zip(trainer.unwrapped_model.state_dict().values(),
+                                                 reference.unwrapped_model.state_dict().values()))
+
+
+class _Raises(Callback):
+    def __init__(self, event):
+        self.event = event
+
+    def on_test_summary(self, *args, **kwargs):
+        if self.event == "test":
+            raise RuntimeError("fails on purpose")
+
+    def on_predict_begin(self, logs=None):
+        if self.event == "predict":
+            raise RuntimeError("fails on purpose")
+
+
+@pytest.mark.parametrize("event", ["test", "predict"])
+def test_an_evaluation_that_raises_leaves_the_live_weights_not_the_ema_average(tmp_path, event):
+    ema, failing = ModelEMA(decay=0.5), _Raises("none")
+    trainer = _Trainer(_cfg(tmp_path), lambda t: [ema, failing])
+    trainer.run()
+    live = {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+    failing.event = event
+    with pytest.raises(RuntimeError, match="fails on purpose"):
+        trainer.evaluate() if event == "test" else trainer.predict(_data(10, 2))
+    assert all(torch.equal(live[k], v) for k, v in trainer.unwrapped_model.state_dict().items())
+    failing.event = "none"   # and the next call swaps the average in and out again
+    x = _data(10, 2).tensors[0]
+    assert torch.allclose(trainer.predict(_data(10, 2)), _forward(ema.ema, x), atol=1e-6)
+    assert all(torch.equal(live[k], v) for k, v in trainer.unwrapped_model.state_dict().items())
+
+
+def test_dict_batches_that_predict_flattens_are_refused(tmp_path):
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            x, y = _data(10, 2)[i]
+            return {"x": x, "y": y}
+
+    class Flat(_Trainer):
+        def predict_step(self, batch):
+            return self.model(batch["x"]).reshape(-1)
+
+    trainer = Flat(_cfg(tmp_path), lambda t: [])
+    with pytest.raises(ValueError, match=r"predict_step returned 12 rows for a batch of 4 samples"):
+        trainer.predict(Dicts())

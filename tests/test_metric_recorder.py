@@ -193,6 +193,13 @@ def test_every_recorder_reads_the_same_entry_of_dict_outputs_and_refuses_an_ambi
                                              rf"with no 'logits' or 'out' entry to read by default: give output_key= "
                                              rf"the key of the predictions \(e\.g\. output_key='emb'\)$"):
             feed(r, "test", ambiguous)
+    # the rule goes on into a tuple's (or list's) first entry: ({"logits", "aux"}, aux) and [{"out"}]
+    # (AccuracyRecorder failed with "'dict' object has no attribute 'detach'" on them)
+    for wrapped in (({"logits": logits, "aux": emb}, emb), [{"out": logits}]):
+        nested = [((torch.zeros(4, 2), y), wrapped)]
+        assert [feed(r, "test", nested)["test/acc"] for r in recorders()] == pytest.approx([0.75] * 3)
+    nested = [((torch.zeros(4, 2), y), ({"logits": logits, "emb": emb}, emb))]
+    assert [feed(r, "test", nested)["test/acc"] for r in recorders(output_key="emb")] == pytest.approx([0.0] * 3)
 
 
 def test_bad_input_is_an_early_error_naming_the_argument_and_the_fix():

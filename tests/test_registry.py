@@ -154,15 +154,17 @@ def test_the_library_probes_no_callback_for_its_state_or_files():
     assert found == []
 
 
-def test_evaluation_restores_the_trainers_fields_also_when_its_body_raises():
+def test_evaluation_restores_the_trainers_fields_also_when_its_body_raises(tmp_path):
     t = ToyTrainer(toy_cfg(num_epochs=1, **CFG))
+    weights = str(tmp_path / "weights.pth")   # evaluation() loads it (and names it)
+    torch.save(t.unwrapped_model.state_dict(), weights)
     before = (t.test_loader, t._callbacks, t.evaluating, t.evaluating_checkpoint)
     loader = t.build_dataloader(torch.utils.data.TensorDataset(torch.zeros(4, 16), torch.zeros(4).long()), 4, 0,
                                 phase="test", shuffle=False)
     t.model.train()
     with pytest.raises(RuntimeError, match="inside"):
-        with t.evaluation(loader, checkpoint="weights.pth"):
-            assert (t.test_loader, t.evaluating, t.evaluating_checkpoint) == (loader, True, "weights.pth")
+        with t.evaluation(loader, checkpoint=weights):
+            assert (t.test_loader, t.evaluating, t.evaluating_checkpoint) == (loader, True, weights)
             assert t._callbacks is not before[1]
             t.model.eval()
             raise RuntimeError("inside")

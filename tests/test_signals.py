@@ -325,7 +325,7 @@ def test_launch_returns_only_after_the_ranks_worker_processes_are_gone(tmp_path)
     script = tmp_path / "leftover.py"
     script.write_text(LEFTOVER.format(tests=os.path.join(ROOT, "tests")))
     proc = subprocess.Popen([PY, str(script), str(pids)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, cwd=str(tmp_path))   # its failure report: tmp_path/log
     try:
         out, err = proc.communicate(timeout=240)
         assert "LAUNCH RAISED" in out, err[-3000:]

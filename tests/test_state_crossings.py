@@ -122,3 +122,27 @@ def test_removing_one_of_two_callbacks_keyed_by_order_is_named_on_resume(tmp_pat
     assert "2 callbacks kept state under 'Counter' (numbered by their order: 'Counter', 'Counter#2', ...) and 1 do " \
            "now: each takes the state saved at its place, which may be another one's; give each a state_key of its " \
            "own" in caplog.text
+
+
+def test_save_checkpoint_called_from_on_batch_end_waits_for_the_callbacks_after_it(tmp_path):
+    class SaveEvery3(Callback):
+        def on_batch_end(self, batch, logs=None):
+            if (batch + 1) % 3 == 0:
+                self.trainer.save_checkpoint()
+
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        ToyTrainer(_cfg(tmp_path), callbacks=[ModelCheckpoint(model_dir=str(tmp_path / "run" / "model")),
+                                              SaveEvery3(), Counter(), StopAt(0, 4)]).run()
+    state = _last(tmp_path)
+    assert (state["batch"], state["callbacks"]["Counter"]) == (3, {"n": 3})
+
+
+def test_keys_the_user_chose_with_a_hash_are_not_taken_for_numbered_ones(tmp_path, caplog):
+    model_dir = str(tmp_path / "run" / "model")
+    ToyTrainer(_cfg(tmp_path), callbacks=[ModelCheckpoint(model_dir=model_dir), Counter("loss#train"),
+                                          Counter("loss#test")]).run()
+    kept = Counter("loss#test")
+    with caplog.at_level("WARNING"):
+        ToyTrainer(_cfg(tmp_path, resume="auto", num_epochs=3), callbacks=[ModelCheckpoint(model_dir=model_dir),
+                                                                           kept]).run()
+    assert kept.n == 3 * 8 and "numbered by their order" not in caplog.text

@@ -391,16 +391,16 @@ def pick_output(outputs: Any, output_key: Optional[str] = None, who: str = "the 
                 fix: Optional[str] = None) -> Any:
     """The tensor a recorder reads from a model's outputs, by one rule for every recorder (and
     EvalReport): ``outputs[output_key]`` when ``output_key`` is given (dict outputs); a tensor as
-    it is; the first entry of a tuple or list; of a dict, its ``"logits"`` entry, else its
-    ``"out"`` entry (torchvision's segmentation models return ``{"out", "aux"}``), else its only
+    it is; of a tuple or list, its first entry (by this rule again: a dict there too); of a
+    dict, its ``"logits"`` entry, else its ``"out"`` entry (torchvision's segmentation models return ``{"out", "aux"}``), else its only
     entry.
 
     Raises:
         ValueError: a dict of several entries, none of them ``"logits"`` or ``"out"``: which one
             is the prediction cannot be told (``who`` and ``fix`` name the recorder and its fix,
             default ``output_key=``).
-        KeyError: ``output_key`` is not in the dict. TypeError: ``output_key`` for outputs that
-            are not a dict.
+        KeyError: ``output_key`` is not in the dict. TypeError: ``output_key`` for outputs with
+            no dict (first entries followed).
     """
     if isinstance(outputs, dict):
         if output_key is not None:
@@ -416,11 +416,11 @@ def pick_output(outputs: Any, output_key: Optional[str] = None, who: str = "the 
         fix = fix or f"give output_key= the key of the predictions (e.g. output_key={next(iter(outputs))!r})"
         raise ValueError(f"{who}: the model's outputs are a dict of {sorted(outputs)}, with no 'logits' or 'out' "
                          f"entry to read by default: {fix}")
+    if isinstance(outputs, (list, tuple)) and outputs:   # ({"logits": ..}, aux): the rule goes on in the first
+        return pick_output(outputs[0], output_key, who, fix)
     if output_key is not None:
         raise TypeError(f"{who}: output_key={output_key!r} needs dict outputs, but the model returned a "
                         f"{type(outputs).__name__}; leave output_key out")
-    if isinstance(outputs, (list, tuple)) and outputs:
-        return outputs[0]
     return outputs
 
 

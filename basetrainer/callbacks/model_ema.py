@@ -93,6 +93,8 @@ class ModelEMA(Callback):
             model = self._model()
             self._backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
             model.load_state_dict(self.ema)
+            if getattr(self.trainer, "evaluating", False):   # evaluate()/predict(): the live weights back also when it raises
+                self.trainer.at_evaluation_end(lambda: self.on_test_end())
 
     def on_test_end(self, logs: Optional[dict] = None) -> None:
         if self._backup is not None:

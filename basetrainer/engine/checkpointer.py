@@ -21,6 +21,7 @@ from basetrainer.dataloader import loader as loaders
 from basetrainer.engine.guard import NonFiniteGuard
 from basetrainer.engine.registry import CallbackStates, Fields, RandomState, Registry, Value, Weights
 from basetrainer.runtime import atomic, checkpoint, comm, sharded, sharding
+from basetrainer.runtime.watchdog import PROGRESS
 
 
 POSITION = ("run_id", "epoch", "phase", "epoch_complete", "batch", "global_step", "logs")   # a checkpoint's keys
@@ -67,6 +68,7 @@ class Checkpointer:
         self.engine, self.guard = engine, guard
         self.epoch, self.phase, self.batch_in_epoch, self.global_step = 0, "train", 0, 0
         self.in_test_phase = False   # inside run()'s test phase (evaluate() and predict() are refused there)
+        self.running = False         # inside run()
         self.start_epoch, self.skip_batches, self.start_phase = 0, 0, "train"
         self.run_id: Optional[str] = None
         self.restored_logs: Dict[str, Any] = {}   # the loaded checkpoint's figures (the next run's logs)
@@ -122,6 +124,9 @@ class Checkpointer:
         rank's RNG state; the main process writes). A second save at the same point writes
         nothing. Returns the path (None without a checkpoint folder, or when the save waits).
 
+        Called (without ``path``) from a callback's ``on_batch_end``, it waits for the step's
+        end, as :meth:`request_step`: the callbacks after the caller count the step first.
+
         Args:
             path: default ``<directory()>/last.pth`` (then the files callbacks staged are
                 written first, and the previous ``last.pth`` is kept as ``last.prev.pth``).
@@ -135,6 +140,9 @@ class Checkpointer:
         self.guard.check(self.epoch)   # never save the state after a non-finite loss
         folder = self.folder()
         if path is None and folder is None:
+            return None
+        if path is None and self.phase == "train" and PROGRESS.where.endswith(".on_batch_end"):
+            self.request_step(background)   # from a callback's on_batch_end: after all of them (see request_step)
             return None
         if in_window and self.phase == "train":
             self.deferred = background if self.deferred is None else (self.deferred and background)
@@ -285,6 +293,16 @@ class Checkpointer:
         if drop and sum(1 for _ in zip(range(drop), batches)) == drop:
             self._restore_rng()   # generators as at the stop, before the next batch is made
         return skip, batches
+
+    @contextlib.contextmanager
+    def in_run(self) -> Iterator[None]:
+        """The ``with`` body is ``run()``: :attr:`running` is True in it (evaluate() and predict()
+        called from a callback put back the weights a ``checkpoint=`` replaced)."""
+        self.running = True
+        try:
+            yield
+        finally:
+            self.running = False
 
     @contextlib.contextmanager
     def test_phase(self) -> Iterator[None]:

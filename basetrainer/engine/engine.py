@@ -118,7 +118,7 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         finished = False
-        with self._preemption, self.stall_watchdog():
+        with self._preemption, self.stall_watchdog(), self.checkpointer.in_run():
             try:
                 self.dispatch("on_train_begin", logs)
                 first = self.num_epochs if comm.any_true(self.stop_training) else self.start_epoch   # stopped at begin

@@ -58,9 +58,8 @@ def evaluate(engine: Any, loader: Any = None, checkpoint: Optional[str] = None,
         raise ValueError(f"{name}.evaluate(): the default run_step needs a criterion (the loss is a test "
                          f"figure): return one from build_criterion, or override run_step")
     _warn_resume_unused(engine, "evaluate", checkpoint)
-    loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
     logs: Dict[str, Any] = {}
-    with engine.evaluation(loader, checkpoint=loaded), engine.stall_watchdog():   # a file's weights: no EMA swap
+    with engine.evaluation(loader, checkpoint=checkpoint), engine.stall_watchdog():   # a file's weights: no EMA swap
         preemption.shield_loader(loader)
         engine.dispatch("on_test_begin", logs)
         engine.run_test_epoch(engine.epoch, logs)
@@ -93,8 +92,7 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
     loader, names, built = inference_data.predict_loader(engine, loader, transform, batch_size)
     _check_model(engine, "predict")
     _warn_resume_unused(engine, "predict", checkpoint)
-    loaded = load_checkpoint(engine, checkpoint) if checkpoint else None
-    with engine.evaluation(engine.test_loader, checkpoint=loaded, what="predict()"), _predict_events(engine), \
+    with engine.evaluation(engine.test_loader, checkpoint=checkpoint, what="predict()"), _predict_events(engine), \
             engine.stall_watchdog():   # from the first collective: a rank that never comes is reported
         rounds = max(comm.all_gather_object(len(loader)))   # ranks' shards differ by up to one batch
         # a failure of one rank before the rounds (a rank's workers not starting) is agreed in the first
@@ -170,8 +168,8 @@ def predict(engine: Any, loader: Any, output: Optional[str] = None, checkpoint: 
 def _predict_events(engine: Any) -> Iterator[None]:
     """``on_predict_begin`` and ``on_predict_end`` (also when predict raises) around the body:
     ModelEMA swaps in the weights evaluate() tests, and back."""
-    engine.dispatch("on_predict_begin", {})
     try:
+        engine.dispatch("on_predict_begin", {})
         yield
     finally:
         engine.dispatch("on_predict_end", {})
@@ -228,10 +226,13 @@ def _forward(engine: Any, batch: Any) -> Any:
 def _samples(batch: Any, loader: DataLoader) -> Optional[int]:
     """The number of samples in a batch the loader gave: 1 when it does not batch
     (``batch_size=None``: each item is a sample), else the length of the inputs (the batch, or
-    the first entry of an ``(inputs, ...)`` tuple/list) when they are a tensor; None when it
-    cannot be told (a dict, a list of strings...)."""
+    the first entry of an ``(inputs, ...)`` tuple/list) when they are a tensor, or the length
+    its tensors share for a dict batch; None when it cannot be told (a list of strings...)."""
     if loader.batch_sampler is None:
         return 1
+    if isinstance(batch, dict):   # {"x": [n, ...], "y": [n]}: n, when the tensors agree
+        lengths = {len(v) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
+        return lengths.pop() if len(lengths) == 1 else None
     inputs = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     return len(inputs) if isinstance(inputs, torch.Tensor) and inputs.dim() else None
 

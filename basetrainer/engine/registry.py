@@ -133,6 +133,7 @@ def holds_state(state: Any) -> bool:
 
 
 _LEGACY_KEY = re.compile(r"^(\d+):(.+)$")   # 2.0 keyed callback states by list position
+_NUMBERED = re.compile(r"#\d+$")            # the second, third, ... callback of one state_key
 
 
 class CallbackStates(Part):
@@ -221,7 +222,7 @@ def _warn_numbered(saved: Dict[str, Any], pairs: List[Tuple[str, Any]], source: 
     def counts(keys: Any) -> Dict[str, int]:
         out: Dict[str, int] = {}
         for key in keys:
-            base = key.split("#")[0]
+            base = _NUMBERED.sub("", key)   # "A#2" -> "A"; a key the user chose ("loss#test") stays
             out[base] = out.get(base, 0) + 1
         return out
 

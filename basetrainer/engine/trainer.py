@@ -91,6 +91,7 @@ class EngineTrainer(Engine):
         self.device = self._select_device(self.gpu_id, bool(cfg.distributed))
         self.strategy = sharding.strategy_of(cfg)
         self.evaluating = False  # True during evaluate() (EvalReport reports then)
+        self._undo: List[Callable[[], None]] = []   # what the evaluation in progress undoes at its end
         self.evaluating_checkpoint: Optional[str] = None   # evaluate(checkpoint=): the file whose weights are tested
         sharding.check_config(cfg, self.device, self.amp)
         resume.claim_work_dir(cfg)
@@ -292,29 +293,48 @@ class EngineTrainer(Engine):
     # ----------------------------------------------------------------------------- evaluate, predict
     @contextlib.contextmanager
     def evaluation(self, loader: Any, checkpoint: Optional[str] = None, what: str = "evaluate()") -> Iterator[None]:
-        """The ``with`` body evaluates (or predicts): ``loader`` is the test loader, the callbacks
-        are bound, ``evaluating`` is True and ``evaluating_checkpoint`` names the file whose
-        weights are tested (ModelEMA swaps no average in over them). On leaving, also when the
-        body raises, these fields and the model's train/eval mode are as they were.
+        """The ``with`` body evaluates (or predicts): ``checkpoint``'s weights are loaded (see
+        :func:`~basetrainer.engine.inference.load_checkpoint`), ``loader`` is the test loader, the
+        callbacks are bound, ``evaluating`` is True and ``evaluating_checkpoint`` names the file
+        whose weights are tested (ModelEMA swaps no average in over them). On leaving, also when
+        the body raises, what callbacks asked to undo (:meth:`at_evaluation_end`: ModelEMA's
+        swap) is undone, these fields and the model's train/eval mode are as they were, and
+        inside ``run()`` (from a callback) the weights a ``checkpoint`` replaced are put back.
 
         Raises:
             RuntimeError: inside another evaluation, or inside the test phase of ``run()`` (from a
                 callback's ``on_test_*``): its callbacks' test figures, a report and a swapped-in
-                average would be the inner call's.
+                average would be the inner call's. Before anything is loaded.
         """
         if self.evaluating or self.checkpointer.in_test_phase:
             where = "evaluate() or predict()" if self.evaluating else "run()'s test phase (on_test_begin to on_test_end)"
             raise RuntimeError(f"{type(self).__name__}.{what} was called inside {where}: its test events would overwrite "
-                             f"the outer test phase's figures and swap weights under it; call it from on_epoch_end, "
-                             f"or after run()")
+                               f"the outer test phase's figures and swap weights under it; call it from on_epoch_end, "
+                               f"or after run()")
+        live = None
+        if checkpoint and self.checkpointer.running:   # the weights being trained: back after the call
+            live = {k: v.detach().clone() for k, v in self.unwrapped_model.state_dict().items()}
+        loaded = inference.load_checkpoint(self, checkpoint) if checkpoint else None
         saved = (self.test_loader, self._callbacks, self.evaluating, self.evaluating_checkpoint, self.model.training)
-        self.test_loader, self.evaluating, self.evaluating_checkpoint = loader, True, checkpoint
+        self.test_loader, self.evaluating, self.evaluating_checkpoint = loader, True, loaded
         self._callbacks = CallbackList(list(self.callbacks or []) + self.extra_callbacks(), self)
+        self._undo = []
         try:
             yield
         finally:
-            self.test_loader, self._callbacks, self.evaluating, self.evaluating_checkpoint, training = saved
-            self.model.train(training)
+            try:
+                for undo in reversed(self._undo):
+                    undo()
+                if live is not None:
+                    self.unwrapped_model.load_state_dict(live)
+            finally:
+                self.test_loader, self._callbacks, self.evaluating, self.evaluating_checkpoint, training = saved
+                self.model.train(training)
+
+    def at_evaluation_end(self, undo: Callable[[], None]) -> None:
+        """Call ``undo`` when the evaluate() or predict() in progress ends, also when it raises
+        (ModelEMA puts the live weights back this way when a test phase fails)."""
+        self._undo.append(undo)
 
     def evaluate(self, loader: Any = None, checkpoint: Optional[str] = None,
                  batch_size: Optional[int] = None) -> Dict[str, Any]:

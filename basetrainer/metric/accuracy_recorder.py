@@ -142,7 +142,9 @@ class AccuracyRecorder(Recorder):
         return ConfusionCounts(self.topk)
 
     def update(self, counts: ConfusionCounts, inputs: Any, outputs: Any, losses: Any) -> None:
-        counts.update(pick_output(outputs, self.output_key, self._label), targets_of(inputs))
+        if not isinstance(outputs, torch.Tensor) or self.output_key is not None:   # a tensor: no call (the budget)
+            outputs = pick_output(outputs, self.output_key, self._label)
+        counts.update(outputs, targets_of(inputs))
 
     def compute(self, counts: ConfusionCounts, reduce: bool) -> Dict[str, Any]:
         """Accuracy figures of ``counts`` (summed over ranks when ``reduce``), with the

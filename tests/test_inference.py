@@ -479,19 +479,23 @@ def test_a_folder_given_as_checkpoint_suggests_a_file_that_is_in_it(tmp_path):
         t.evaluate(checkpoint=str(tmp_path / "work"))
 
 
+
+class _Counting(RowTrainer):
+    """RowTrainer counting its predict forwards (a refusal must come before any)."""
+    forwards = 0
+
+    def predict_step(self, batch):
+        _Counting.forwards += 1
+        return super().predict_step(batch)
+
+
 def test_an_output_of_unknown_format_is_refused_before_any_forward(tmp_path):
-    class Counting(RowTrainer):
-        forwards = 0
-
-        def predict_step(self, batch):
-            Counting.forwards += 1
-            return super().predict_step(batch)
-
-    t = Counting(_cfg(), callbacks=_recorders())
+    t = _Counting(_cfg(), callbacks=_recorders())
+    _Counting.forwards = 0
     for name in ("p.txt", "p"):
         with pytest.raises(ValueError, match=rf"output='.*{name}'.*\.npy, \.npz, \.csv"):
             t.predict(t.test_loader, output=str(tmp_path / name))
-    assert Counting.forwards == 0 and os.listdir(tmp_path) == []
+    assert _Counting.forwards == 0 and os.listdir(tmp_path) == []
     # checked first, on every rank (under DDP only the main process opens the file)
     root = _images(tmp_path)
     (tmp_path / "images" / "notes.txt").write_text("not an image")
@@ -550,14 +554,8 @@ def test_outputs_that_are_not_one_row_per_sample_are_refused_naming_the_counts(t
 def test_an_output_path_that_cannot_be_a_file_is_refused_before_any_forward(tmp_path):
     """A folder named like a file failed only at the end, after every forward (IsADirectoryError
     on the temp's rename); a path under a file was a raw FileExistsError."""
-    class Counting(RowTrainer):
-        forwards = 0
-
-        def predict_step(self, batch):
-            Counting.forwards += 1
-            return super().predict_step(batch)
-
-    t = Counting(_cfg(), callbacks=_recorders())
+    t = _Counting(_cfg(), callbacks=_recorders())
+    _Counting.forwards = 0
     (tmp_path / "dir.npy").mkdir()
     (tmp_path / "a_file").write_text("not a folder")
     with pytest.raises(ValueError, match=r"^output='.*dir\.npy': .*dir\.npy is a folder: name a file "
@@ -566,7 +564,7 @@ def test_an_output_path_that_cannot_be_a_file_is_refused_before_any_forward(tmp_
     with pytest.raises(ValueError, match=r"^output='.*a_file/sub/p\.csv': .*a_file is a file, not a "
                                          r"folder: write the output elsewhere"):
         t.predict(t.test_loader, output=str(tmp_path / "a_file" / "sub" / "p.csv"))
-    assert Counting.forwards == 0 and sorted(os.listdir(tmp_path)) == ["a_file", "dir.npy"]
+    assert _Counting.forwards == 0 and sorted(os.listdir(tmp_path)) == ["a_file", "dir.npy"]
     assert os.listdir(tmp_path / "dir.npy") == []
 
 
